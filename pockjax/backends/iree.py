@@ -1,0 +1,432 @@
+"""Ahead-of-time compilation of flat JAX functions with IREE.
+
+The lead's ``pockjax.compile(..., target=...)`` hands this module a function
+over *flat* arrays (``jax.extend.core.jaxpr_as_fun(closed_jaxpr)``), the flat
+abstract values, and a mask of which inputs are *state* (parameters and
+optimizer state that live on the device between steps). We
+
+1. export it with ``jax.export`` to StableHLO,
+2. optionally rewrite the StableHLO text to dodge known IREE bugs
+   (:data:`WORKAROUNDS`),
+3. compile it with ``iree.compiler`` for a :mod:`pockjax.backends.targets` target,
+4. return an :class:`IreeExecutable` whose call keeps state on the device.
+
+Example:
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from pockjax.backends import iree as piree
+    >>> def step(w, x):            # state w, batch x -> (new w, aux)
+    ...     return w - 0.1 * x, jnp.sum(w * x)
+    >>> avals = [jax.ShapeDtypeStruct((3,), jnp.float32)] * 2
+    >>> exe = piree.compile_flat(step, avals, "cpu", state_mask=[True, False])
+    >>> exe.set_state([np.ones(3, np.float32)])
+    >>> [float(a) for a in exe.step(np.ones(3, np.float32))]
+    [3.0]
+    >>> np.round(exe.get_state()["in0"], 3)
+    array([0.9, 0.9, 0.9], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+import jax
+
+from pockjax.backends import targets as _targets
+from pockjax.runtime import module as _rtmod
+from pockjax.runtime.module import (
+    METADATA_FILE,
+    MODULE_FILE,
+    WEIGHTS_FILE,
+    ModuleMetadata,
+    StatefulModule,
+    TensorSpec,
+)
+
+__all__ = [
+    "IreeCompileError",
+    "CompiledModule",
+    "IreeExecutable",
+    "Workaround",
+    "WORKAROUNDS",
+    "export_stablehlo",
+    "compile_stablehlo",
+    "compile_flat",
+    "export_module",
+    "versions",
+]
+
+
+class IreeCompileError(RuntimeError):
+    """``iree-compile`` failed; ``.diagnostics`` holds its output."""
+
+    def __init__(self, message: str, diagnostics: str = "", target: str = ""):
+        super().__init__(message)
+        self.diagnostics = diagnostics
+        self.target = target
+
+
+# ---------------------------------------------------------------------------
+# Workarounds for IREE bugs seen on train steps
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workaround:
+    """A fix for a known IREE failure.
+
+    Attributes:
+      name: short id, used in ``compile_flat(..., workarounds=...)``.
+      symptom: the substring of the IREE error it fixes.
+      applies_to: backends (``llvm-cpu``, ``cuda``...) it is applied for by default.
+      flags: extra ``iree-compile`` flags.
+      rewrite: optional StableHLO text -> text rewrite.
+      why: what goes wrong and why this helps.
+    """
+
+    name: str
+    symptom: str
+    applies_to: tuple[str, ...]
+    flags: tuple[str, ...] = ()
+    rewrite: Callable[[str], str] | None = None
+    why: str = ""
+
+
+WORKAROUNDS: dict[str, Workaround] = {}
+
+
+def _register(w: Workaround) -> Workaround:
+    WORKAROUNDS[w.name] = w
+    return w
+
+
+def default_workarounds(target: _targets.Target) -> list[str]:
+    """Names of the workarounds applied by default for a target."""
+    return [w.name for w in WORKAROUNDS.values() if target.backend in w.applies_to]
+
+
+# ---------------------------------------------------------------------------
+# Export and compile
+# ---------------------------------------------------------------------------
+
+
+def versions() -> dict[str, str]:
+    """Versions of the tools that produced a module (for metadata)."""
+    out = {"jax": jax.__version__}
+    try:
+        from importlib.metadata import version
+
+        for dist in ("pockjax", "iree-base-compiler", "iree-base-runtime"):
+            try:
+                out[dist] = version(dist)
+            except Exception:  # noqa: BLE001 - not installed as a distribution
+                pass
+    except ImportError:
+        pass
+    if "pockjax" not in out:
+        out["pockjax"] = "0.1.0+src"
+    return out
+
+
+def export_stablehlo(fun: Callable, flat_avals: Sequence[Any]) -> str:
+    """Exports ``fun(*flat_args)`` to StableHLO text (entry ``main``) via ``jax.export``."""
+    avals = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in flat_avals]
+    exported = jax.export.export(jax.jit(fun))(*avals)
+    return exported.mlir_module()
+
+
+def compile_stablehlo(
+    mlir_text: str,
+    target: "str | _targets.Target",
+    extra_flags: Sequence[str] = (),
+) -> bytes:
+    """Compiles StableHLO text to a ``.vmfb`` for ``target``.
+
+    Raises:
+      IreeCompileError: with IREE's diagnostics and the target name.
+    """
+    import iree.compiler as ic
+
+    t = _targets.resolve(target) if isinstance(target, str) else target
+    flags = [f for f in t.flags if not f.startswith("--iree-hal-target-backends=")] + list(extra_flags)
+    try:
+        return ic.compile_str(mlir_text, input_type="stablehlo", target_backends=[t.backend], extra_args=flags)
+    except ic.CompilerToolError as e:
+        diag = str(e)
+        first = next((ln for ln in diag.splitlines() if "error:" in ln), diag.strip().splitlines()[0] if diag.strip() else "")
+        hint = ""
+        for w in WORKAROUNDS.values():
+            if w.symptom in diag:
+                hint = f" (known IREE issue; workaround {w.name!r} exists)"
+        raise IreeCompileError(
+            f"iree-compile failed for target {t.name!r} ({t.backend}): {first.strip()}{hint}", diag, t.name
+        ) from None
+
+
+def _dtype_name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def make_signature(
+    flat_avals: Sequence[Any],
+    out_avals: Sequence[Any],
+    state_mask: Sequence[bool] | None,
+    *,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    state_outputs: Mapping[int, int] | None = None,
+) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Builds input/output :class:`TensorSpec` lists.
+
+    By default the first ``k`` outputs (``k`` = number of state inputs) are
+    the new values of the state inputs, in order, which is what a
+    ``(params, opt_state, batch) -> (params, opt_state, aux...)`` step
+    flattens to. Pass ``state_outputs={out_index: in_index}`` otherwise.
+    """
+    n = len(flat_avals)
+    state_mask = list(state_mask) if state_mask is not None else [False] * n
+    if len(state_mask) != n:
+        raise ValueError(f"state_mask has {len(state_mask)} entries for {n} inputs")
+    input_names = list(input_names) if input_names is not None else [f"in{i}" for i in range(n)]
+    output_names = list(output_names) if output_names is not None else [f"out{i}" for i in range(len(out_avals))]
+    state_in = [i for i, s in enumerate(state_mask) if s]
+    if state_outputs is None:
+        if len(out_avals) < len(state_in):
+            raise ValueError(f"{len(state_in)} state inputs but only {len(out_avals)} outputs")
+        state_outputs = {o: i for o, i in enumerate(state_in)}
+    inputs = [
+        TensorSpec(input_names[i], tuple(a.shape), _dtype_name(a.dtype), "state" if state_mask[i] else "input")
+        for i, a in enumerate(flat_avals)
+    ]
+    outputs = []
+    for o, a in enumerate(out_avals):
+        if o in state_outputs:
+            i = state_outputs[o]
+            if not state_mask[i]:
+                raise ValueError(f"output {o} is mapped to input {i}, which is not state")
+            if tuple(a.shape) != tuple(flat_avals[i].shape) or np.dtype(a.dtype) != np.dtype(flat_avals[i].dtype):
+                raise ValueError(
+                    f"output {o} {tuple(a.shape)}/{np.dtype(a.dtype)} cannot replace state input {i} "
+                    f"{tuple(flat_avals[i].shape)}/{np.dtype(flat_avals[i].dtype)}"
+                )
+            outputs.append(TensorSpec(output_names[o], tuple(a.shape), _dtype_name(a.dtype), "state", i))
+        else:
+            outputs.append(TensorSpec(output_names[o], tuple(a.shape), _dtype_name(a.dtype), "aux"))
+    missing = set(state_in) - set(state_outputs.values())
+    if missing:
+        raise ValueError(f"state inputs {sorted(missing)} have no output that replaces them")
+    return inputs, outputs
+
+
+@dataclass
+class CompiledModule:
+    """A compiled ``.vmfb`` plus everything needed to run or export it."""
+
+    vmfb: bytes
+    metadata: ModuleMetadata
+    stablehlo: str
+    compile_seconds: float
+    workarounds: tuple[str, ...] = ()
+
+    @property
+    def size_bytes(self) -> int:
+        return len(self.vmfb)
+
+
+class IreeExecutable(StatefulModule):
+    """An IREE-compiled step bound to a device, state kept on the device.
+
+    Call it like the flat JAX function (``exe(*flat_args) -> flat_outs``):
+    state inputs are uploaded on the first call (or when their host arrays
+    change identity), then the state outputs stay on the device and are fed
+    back. Use :meth:`step` (batch inputs only; returns aux outputs) for the
+    fast path, and :meth:`get_state` / :meth:`set_state` to read or write
+    weights.
+    """
+
+    def __init__(self, compiled: CompiledModule, session=None, *, tool: Sequence[str] | None = None):
+        meta = compiled.metadata
+        if session is None and tool is not None:
+            session = _rtmod.CommandLineSession(compiled.vmfb, meta.target["driver"], tool, function=meta.function)
+        elif session is None:
+            session = _rtmod.DeviceSession(compiled.vmfb, meta.target["driver"], function=meta.function)
+        super().__init__(session, meta)
+        self.compiled = compiled
+
+    def __call__(self, *flat_args, return_state: bool = True):
+        """Full flat call: returns all outputs (state outputs copied to host if ``return_state``).
+
+        State inputs given here overwrite the device state, so
+        ``exe(*flat_args)`` has the same semantics as the JAX function. For
+        training loops prefer :meth:`step`, which does not move the state.
+        """
+        meta = self.metadata
+        if len(flat_args) != len(meta.inputs):
+            raise _rtmod.InputError(f"expected {len(meta.inputs)} flat inputs, got {len(flat_args)}")
+        self.set_state([np.asarray(flat_args[i]) for i in meta.state_inputs])
+        aux = self.step(*[np.asarray(flat_args[i]) for i in meta.batch_inputs])
+        aux_it = iter(aux)
+        state = self.get_state() if return_state else {}
+        outs = []
+        for spec in meta.outputs:
+            if spec.role == "state":
+                outs.append(state.get(meta.inputs[spec.state_index].name))
+            else:
+                outs.append(next(aux_it))
+        return outs
+
+    def export(self, path: str | os.PathLike, *, with_weights: bool = True, extra: Mapping[str, Any] | None = None):
+        """Writes the module (and, if set, the current state as weights) to a directory."""
+        weights = self.get_state() if (with_weights and self._state) else None
+        return export_module(self.compiled, path, weights=weights, extra=extra)
+
+
+def compile_flat(
+    fun: Callable,
+    flat_avals: Sequence[Any],
+    target: "str | _targets.Target" = "cpu",
+    options: Mapping[str, Any] | None = None,
+    *,
+    state_mask: Sequence[bool] | None = None,
+    state_outputs: Mapping[int, int] | None = None,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    workarounds: Sequence[str] | str | None = "default",
+    extra: Mapping[str, Any] | None = None,
+    bind: bool = True,
+    emulate: bool = False,
+) -> "IreeExecutable | CompiledModule":
+    """Exports ``fun`` over flat arrays to StableHLO and compiles it with IREE.
+
+    Args:
+      fun: function of flat arrays returning a flat tuple/list of arrays.
+      flat_avals: ``jax.ShapeDtypeStruct`` (or anything with shape/dtype) per input.
+      target: a target name from :mod:`pockjax.backends.targets` or a ``Target``.
+      options: target options (``cpu``, ``features``, ``arch``, ``triple``,
+        ``static_library``, ``stack_allocation_limit``, ``extra_flags``).
+      state_mask: which inputs are state kept on the device between steps.
+      state_outputs: ``{output_index: state_input_index}``; default: the
+        first outputs replace the state inputs in order.
+      input_names, output_names: names for metadata and errors.
+      workarounds: ``"default"`` (those registered for the target's backend),
+        ``None``/``()`` (none) or a list of names from :data:`WORKAROUNDS`.
+      extra: free-form metadata (pytree structure, scheme...).
+      bind: return an :class:`IreeExecutable` on this machine's device; with
+        ``False`` (or for targets this process cannot run) return the
+        :class:`CompiledModule` only.
+      emulate: for an aarch64 module on another host, bind it to the aarch64
+        ``iree-run-module`` run under qemu (:mod:`pockjax.backends.arm64_runner`);
+        every step then passes all arrays through ``.npy`` files.
+    """
+    t = _targets.resolve(target, **dict(options or {})) if isinstance(target, str) else target
+    if workarounds == "default":
+        names = default_workarounds(t)
+    elif workarounds is None:
+        names = []
+    else:
+        names = [workarounds] if isinstance(workarounds, str) else list(workarounds)
+    unknown = [n for n in names if n not in WORKAROUNDS]
+    if unknown:
+        raise ValueError(f"unknown workarounds {unknown}; known: {sorted(WORKAROUNDS)}")
+
+    out_shapes = jax.eval_shape(fun, *[jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in flat_avals])
+    out_avals = list(out_shapes) if isinstance(out_shapes, (list, tuple)) else [out_shapes]
+    inputs, outputs = make_signature(
+        flat_avals, out_avals, state_mask, input_names=input_names, output_names=output_names,
+        state_outputs=state_outputs,
+    )
+    text = export_stablehlo(fun, flat_avals)
+    flags: list[str] = []
+    for n in names:
+        w = WORKAROUNDS[n]
+        if w.rewrite is not None:
+            text = w.rewrite(text)
+        flags += list(w.flags)
+    t0 = time.perf_counter()
+    vmfb = compile_stablehlo(text, t, extra_flags=flags)
+    dt = time.perf_counter() - t0
+    meta = ModuleMetadata(
+        inputs=inputs,
+        outputs=outputs,
+        target={**t.to_json(), "flags": list(t.flags) + flags, "workarounds": names},
+        versions=versions(),
+        module_sha256=hashlib.sha256(vmfb).hexdigest(),
+        extra=dict(extra or {}),
+    )
+    compiled = CompiledModule(vmfb=bytes(vmfb), metadata=meta, stablehlo=text, compile_seconds=dt,
+                              workarounds=tuple(names))
+    if not bind:
+        return compiled
+    if not _runs_here(t):
+        if emulate and t.backend == "llvm-cpu" and (t.triple or "").startswith("aarch64"):
+            from pockjax.backends import arm64_runner
+
+            return IreeExecutable(compiled, tool=arm64_runner.command_prefix())
+        return compiled
+    return IreeExecutable(compiled)
+
+
+def _runs_here(t: _targets.Target) -> bool:
+    if t.backend == "llvm-cpu":
+        return bool(t.triple) and t.triple.split("-")[0] == _rtmod.host_machine_triple_prefix() and \
+            "static_library" not in t.options
+    return True
+
+
+def export_module(
+    compiled: CompiledModule,
+    path: str | os.PathLike,
+    *,
+    weights: Mapping[str, np.ndarray] | Sequence[np.ndarray] | None = None,
+    weights_file: str | os.PathLike | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> str:
+    """Writes ``module.vmfb``, ``module.json`` and optionally ``weights.irpa`` to ``path``.
+
+    Args:
+      compiled: from :func:`compile_flat` (or ``IreeExecutable.compiled``).
+      path: output directory (created).
+      weights: initial state, by name or in state order; written as an IREE
+        parameter archive next to the module.
+      weights_file: instead of copying weights, reference an existing
+        archive (absolute path or relative to ``path``) shared by several
+        modules (for example a train step and a generate step of one model).
+      extra: merged into the metadata's ``extra``.
+
+    Returns:
+      The directory path.
+    """
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    meta = dataclasses.replace(compiled.metadata, extra={**compiled.metadata.extra, **dict(extra or {})})
+    if weights is not None and weights_file is not None:
+        raise ValueError("give weights or weights_file, not both")
+    if weights is not None:
+        state_specs = [meta.inputs[i] for i in meta.state_inputs]
+        if not isinstance(weights, Mapping):
+            weights = list(weights)
+            if len(weights) != len(state_specs):
+                raise ValueError(f"expected {len(state_specs)} state arrays, got {len(weights)}")
+            weights = {s.name: w for s, w in zip(state_specs, weights)}
+        checked = {}
+        for s in state_specs:
+            if s.name not in weights:
+                raise ValueError(f"weights lack state entry {s.name!r}")
+            checked[s.name] = _rtmod._check_array(s, np.asarray(weights[s.name]), "weight")
+        _rtmod.save_weights(os.path.join(path, WEIGHTS_FILE), checked)
+        meta.weights = {"file": WEIGHTS_FILE, "format": "irpa"}
+    elif weights_file is not None:
+        meta.weights = {"file": os.fspath(weights_file), "format": "irpa"}
+    with open(os.path.join(path, MODULE_FILE), "wb") as f:
+        f.write(compiled.vmfb)
+    with open(os.path.join(path, METADATA_FILE), "w") as f:
+        json.dump(meta.to_json(), f, indent=1)
+    return path

@@ -1,0 +1,234 @@
+"""The one table of IREE compilation targets pockjax knows.
+
+Each :class:`Target` maps a short name to the IREE HAL target backend, the
+``iree-compile`` flags and the IREE runtime driver that runs the result.
+:func:`resolve` applies per-call options (a specific CPU, GPU architecture,
+extra flags) and returns a new ``Target``.
+
+=========  ============  ==========================================  =============
+name       backend       flags (defaults)                            driver
+=========  ============  ==========================================  =============
+cpu        llvm-cpu      target-cpu=host (this machine's CPU)        local-task
+arm64      llvm-cpu      triple aarch64-linux-gnu, +neon, generic    local-task
+vulkan     vulkan-spirv  --iree-vulkan-target=generic (lavapipe ok)  vulkan
+cuda       cuda          --iree-cuda-target=sm_80 (overridable)      cuda
+dsp        vmvx          portable VM bytecode kernels                local-task
+=========  ============  ==========================================  =============
+
+About ``dsp``: the IREE release pockjax is built on (iree-base-compiler 3.13)
+ships LLVM with the X86, ARM, AArch64, RISC-V and WebAssembly backends only;
+it has **no Hexagon backend**, so there is no true Hexagon DSP code
+generation. What is real and offered instead:
+
+- ``dsp`` (default): IREE's ``vmvx`` backend, whose kernels are portable VM
+  bytecode interpreted by the IREE runtime; it runs on anything the runtime
+  runs on (including bare-metal/embedded builds of the runtime), slowly.
+- ``dsp`` with ``options={"triple": "riscv32-unknown-elf"}`` (or any other
+  embedded triple the bundled LLVM supports) and ``static_library=path``:
+  llvm-cpu emits a static object + header for linking into a firmware image
+  with IREE's static library loader (``--iree-llvmcpu-link-static`` and
+  ``--iree-llvmcpu-static-library-output-path``). pockjax compiles this but
+  cannot run it here.
+
+Example:
+    >>> from pockjax.backends import targets
+    >>> t = targets.resolve("arm64", cpu="cortex-a76")
+    >>> t.driver, "--iree-llvmcpu-target-cpu=cortex-a76" in t.flags
+    ('local-task', True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+__all__ = ["Target", "TARGETS", "resolve", "names", "DEFAULT_CUDA_ARCH", "DEFAULT_VULKAN_TARGET"]
+
+DEFAULT_CUDA_ARCH = "sm_80"
+# "generic" is not a real vendor target; IREE's Vulkan backend accepts a
+# small set of portable names. Lavapipe (Mesa's CPU Vulkan) advertises
+# Vulkan 1.3 with subgroups but not cooperative matrices; IREE's
+# "vp_android_baseline_2022" profile is the most conservative documented
+# target and works on lavapipe, see ``_vulkan_flags``.
+DEFAULT_VULKAN_TARGET = "vp_android_baseline_2022"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A named IREE compilation target.
+
+    Attributes:
+      name: pockjax target name (``cpu``, ``arm64``, ``vulkan``, ``cuda``, ``dsp``).
+      backend: IREE HAL target backend (``--iree-hal-target-backends``).
+      driver: IREE runtime driver / device URI that runs the module.
+      flags: full list of ``iree-compile`` flags (backend selection included).
+      triple: LLVM target triple for CPU backends, else None.
+      runs_in_process: whether this machine can run the module with the
+        in-process runtime (False for cross-compiled CPU modules).
+      description: one line for humans.
+    """
+
+    name: str
+    backend: str
+    driver: str
+    flags: tuple[str, ...]
+    triple: str | None = None
+    description: str = ""
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "backend": self.backend,
+            "driver": self.driver,
+            "flags": list(self.flags),
+            "triple": self.triple,
+            "options": dict(self.options),
+        }
+
+
+def _cpu_flags(triple: str | None, cpu: str | None, features: str | None) -> list[str]:
+    f = []
+    if triple:
+        f.append(f"--iree-llvmcpu-target-triple={triple}")
+    if cpu:
+        f.append(f"--iree-llvmcpu-target-cpu={cpu}")
+    if features:
+        f.append(f"--iree-llvmcpu-target-cpu-features={features}")
+    return f
+
+
+def _host_triple() -> str:
+    import platform
+
+    m = platform.machine().lower()
+    m = {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+    return f"{m}-unknown-linux-gnu"
+
+
+# name -> (backend, driver, default options, description)
+_TABLE: dict[str, tuple[str, str, dict[str, Any], str]] = {
+    "cpu": ("llvm-cpu", "local-task", {"cpu": "host"}, "this machine's CPU (llvm-cpu, host CPU features)"),
+    "arm64": (
+        "llvm-cpu",
+        "local-task",
+        {"triple": "aarch64-linux-gnu", "cpu": "generic", "features": "+neon"},
+        "64-bit ARM Linux CPU with NEON (cross-compiled; run on the device or under qemu-aarch64)",
+    ),
+    "vulkan": (
+        "vulkan-spirv",
+        "vulkan",
+        {"arch": DEFAULT_VULKAN_TARGET},
+        "any Vulkan 1.1+ GPU via SPIR-V (tested on Mesa lavapipe)",
+    ),
+    "cuda": ("cuda", "cuda", {"arch": DEFAULT_CUDA_ARCH}, "NVIDIA GPU via PTX (arch overridable, e.g. sm_90)"),
+    "dsp": (
+        "vmvx",
+        "local-task",
+        {},
+        "DSP-style/embedded: portable vmvx bytecode (no Hexagon backend in released IREE)",
+    ),
+}
+
+TARGETS: Mapping[str, tuple[str, str, dict[str, Any], str]] = _TABLE
+
+
+def names() -> list[str]:
+    """The target names, in table order."""
+    return list(_TABLE)
+
+
+def resolve(
+    target: "str | Target",
+    *,
+    cpu: str | None = None,
+    features: str | None = None,
+    arch: str | None = None,
+    triple: str | None = None,
+    static_library: str | None = None,
+    stack_allocation_limit: int | None = None,
+    extra_flags: Sequence[str] = (),
+    **unknown: Any,
+) -> Target:
+    """Returns the :class:`Target` for ``target`` with options applied.
+
+    Args:
+      target: a name from the table (or a ``Target``, returned unchanged
+        except for the given options... pass options only with names).
+      cpu: LLVM CPU name for CPU targets (``host``, ``cortex-a76``, ``znver4``).
+      features: LLVM CPU features for CPU targets (``+neon,+dotprod``).
+      arch: GPU architecture: ``sm_XX`` for cuda, an IREE Vulkan target name
+        (``rdna3``, ``valhall``, ``ampere``, ``vp_android_baseline_2022``) for vulkan.
+      triple: LLVM triple for CPU targets; for ``dsp`` it switches from vmvx
+        to llvm-cpu code generation for that (embedded) triple.
+      static_library: for CPU targets, also write a static object (+ ``.h``)
+        to this path for linking into firmware (IREE's static library loader).
+      stack_allocation_limit: llvm-cpu per-dispatch stack limit in bytes
+        (power of two); see ``pockjax.backends.iree.WORKAROUNDS``.
+      extra_flags: passed through to ``iree-compile`` last.
+
+    Raises:
+      ValueError: unknown target or option, or an option that does not apply.
+    """
+    if isinstance(target, Target):
+        return target
+    if unknown:
+        raise ValueError(f"unknown target options {sorted(unknown)}; known: cpu, features, arch, triple, "
+                         "static_library, stack_allocation_limit, extra_flags")
+    if target not in _TABLE:
+        raise ValueError(f"unknown IREE target {target!r}; known targets: {names()}")
+    backend, driver, defaults, desc = _TABLE[target]
+    opts = dict(defaults)
+    given = {"cpu": cpu, "features": features, "arch": arch, "triple": triple}
+    for k, v in given.items():
+        if v is not None:
+            opts[k] = v
+    if static_library is not None:
+        opts["static_library"] = static_library
+    if stack_allocation_limit is not None:
+        opts["stack_allocation_limit"] = int(stack_allocation_limit)
+
+    if target == "dsp" and triple is not None:
+        backend = "llvm-cpu"
+        desc = f"embedded CPU code for {triple} (llvm-cpu)"
+
+    flags = [f"--iree-hal-target-backends={backend}"]
+    out_triple = None
+    if backend == "llvm-cpu":
+        if any(k in given and given[k] is not None for k in ("arch",)):
+            raise ValueError(f"option 'arch' applies to GPU targets, not {target!r}; use cpu= or features=")
+        out_triple = opts.get("triple") or _host_triple()
+        flags += _cpu_flags(opts.get("triple"), opts.get("cpu"), opts.get("features"))
+        if "static_library" in opts:
+            flags += ["--iree-llvmcpu-link-embedded=false", "--iree-llvmcpu-link-static",
+                      f"--iree-llvmcpu-static-library-output-path={opts['static_library']}"]
+        if "stack_allocation_limit" in opts:
+            flags.append(f"--iree-llvmcpu-stack-allocation-limit={opts['stack_allocation_limit']}")
+    else:
+        bad = [k for k in ("cpu", "features", "triple") if given.get(k) is not None and not (target == "dsp")]
+        if bad:
+            raise ValueError(f"options {bad} apply to CPU targets, not {target!r}")
+        if "static_library" in opts or "stack_allocation_limit" in opts:
+            raise ValueError(f"static_library/stack_allocation_limit apply to llvm-cpu targets, not {target!r}")
+        if backend == "cuda":
+            flags.append(f"--iree-cuda-target={opts['arch']}")
+        elif backend == "vulkan-spirv":
+            flags.append(f"--iree-vulkan-target={opts['arch']}")
+    flags += list(extra_flags)
+    if extra_flags:
+        opts["extra_flags"] = list(extra_flags)
+    return Target(
+        name=target,
+        backend=backend,
+        driver=driver,
+        flags=tuple(flags),
+        triple=out_triple,
+        description=desc,
+        options=opts,
+    )
+
+
+def with_flags(target: Target, *flags: str) -> Target:
+    """A copy of ``target`` with more ``iree-compile`` flags appended."""
+    return dataclasses.replace(target, flags=tuple(target.flags) + tuple(flags))

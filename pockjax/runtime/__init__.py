@@ -1,0 +1,46 @@
+"""JAX-free runtime for modules exported by pockjax (``iree.runtime`` + NumPy only).
+
+Example (on the device)::
+
+    import numpy as np
+    from pockjax import runtime
+    step = runtime.load("exported/")          # module.vmfb + module.json (+ weights.irpa)
+    loss, = step.step(tokens=np.zeros((2, 16), np.int32), targets=...)
+    step.save_weights("trained.irpa")
+"""
+
+from pockjax.runtime.module import (
+    METADATA_FILE,
+    MODULE_FILE,
+    WEIGHTS_FILE,
+    CommandLineSession,
+    DeviceSession,
+    InputError,
+    ModuleError,
+    ModuleMetadata,
+    StatefulModule,
+    TargetMismatchError,
+    TensorSpec,
+    load,
+    load_weights,
+    read_metadata,
+    save_weights,
+)
+
+__all__ = [
+    "METADATA_FILE",
+    "MODULE_FILE",
+    "WEIGHTS_FILE",
+    "CommandLineSession",
+    "DeviceSession",
+    "InputError",
+    "ModuleError",
+    "ModuleMetadata",
+    "StatefulModule",
+    "TargetMismatchError",
+    "TensorSpec",
+    "load",
+    "load_weights",
+    "read_metadata",
+    "save_weights",
+]
