@@ -1,0 +1,1 @@
+"""Models that pockjax fine-tunes (see :mod:`pockjax.models.llama`)."""

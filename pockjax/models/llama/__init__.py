@@ -1,0 +1,1 @@
+"""LLaMA-architecture models: the Flax model, loaders, tokenizer and generation."""

@@ -1,0 +1,152 @@
+"""Configuration of a LLaMA-architecture model."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Shape and numerics of a LLaMA-architecture decoder.
+
+    Attributes:
+        vocab: Vocabulary size (rows of the embedding table).
+        dim: Model width (embedding size).
+        n_layers: Number of transformer blocks.
+        n_heads: Number of query heads.
+        n_kv_heads: Number of key/value heads (grouped-query attention when smaller
+            than ``n_heads``).
+        hidden_dim: Inner width of the SwiGLU feed-forward block.
+        rope_theta: Base of the rotary position embedding frequencies.
+        rms_eps: Epsilon of RMSNorm.
+        tie_embeddings: If True the output projection reuses ``embed.embedding``
+            and there is no ``lm_head``.
+        max_seq_len: Longest context the model supports (positions ``0 ..
+            max_seq_len - 1``).
+        scan_layers: If True the blocks are stacked under ``layers.<name>`` with a
+            leading layer axis and run with ``jax.lax.scan``; otherwise they are a
+            list ``layers.0``, ``layers.1``, ...
+        head_dim: Width of one attention head; ``None`` means ``dim // n_heads``.
+
+    Example:
+        >>> cfg = LlamaConfig.tiny()
+        >>> cfg.dim, cfg.n_layers, cfg.head_dim_
+        (64, 2, 16)
+        >>> LlamaConfig.smollm2_135m().n_kv_heads
+        3
+    """
+
+    vocab: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    hidden_dim: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    tie_embeddings: bool = False
+    max_seq_len: int = 2048
+    scan_layers: bool = False
+    head_dim: int | None = None
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                    f"n_heads={self.n_heads} must be a multiple of"
+                    f" n_kv_heads={self.n_kv_heads}")
+        if self.head_dim is None and self.dim % self.n_heads:
+            raise ValueError(
+                    f"dim={self.dim} must be divisible by n_heads={self.n_heads}")
+        if self.head_dim_ % 2:
+            raise ValueError(f"head dimension {self.head_dim_} must be even for RoPE")
+
+    @property
+    def head_dim_(self) -> int:
+        """Width of one attention head (``head_dim`` or ``dim // n_heads``)."""
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    def replace(self, **changes: Any) -> "LlamaConfig":
+        """Returns a copy with some fields changed.
+
+        Example:
+            >>> LlamaConfig.tiny().replace(scan_layers=True).scan_layers
+            True
+        """
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the fields as a plain dict (JSON-serialisable).
+
+        Example:
+            >>> LlamaConfig.from_dict(LlamaConfig.tiny().to_dict()) == LlamaConfig.tiny()
+            True
+        """
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
+        """Builds a config from :meth:`to_dict` output; unknown keys are an error.
+
+        Example:
+            >>> LlamaConfig.from_dict({**LlamaConfig.tiny().to_dict(), "n_layers": 3}).n_layers
+            3
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown LlamaConfig fields: {unknown}")
+        return cls(**d)
+
+    def num_params(self) -> int:
+        """Number of parameters of a model with this config.
+
+        Example:
+            >>> LlamaConfig.smollm2_135m().num_params()
+            134515008
+        """
+        hd = self.head_dim_
+        attn = self.dim * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
+        mlp = 3 * self.dim * self.hidden_dim
+        per_layer = attn + mlp + 2 * self.dim
+        head = 0 if self.tie_embeddings else self.vocab * self.dim
+        return self.vocab * self.dim + self.n_layers * per_layer + self.dim + head
+
+    @classmethod
+    def smollm2_135m(cls, **overrides: Any) -> "LlamaConfig":
+        """SmolLM2-135M(-Instruct): 30 layers, width 576, 9 query / 3 kv heads.
+
+        Example:
+            >>> LlamaConfig.smollm2_135m(max_seq_len=512).max_seq_len
+            512
+        """
+        base = cls(vocab=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                              hidden_dim=1536, rope_theta=100000.0, rms_eps=1e-5,
+                              tie_embeddings=True, max_seq_len=8192)
+        return base.replace(**overrides)
+
+    @classmethod
+    def llama2_7b(cls, **overrides: Any) -> "LlamaConfig":
+        """LLaMA-2-7B: 32 layers, width 4096, 32 heads, untied embeddings.
+
+        Example:
+            >>> round(LlamaConfig.llama2_7b().num_params() / 1e9, 2)
+            6.74
+        """
+        base = cls(vocab=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                              hidden_dim=11008, rope_theta=10000.0, rms_eps=1e-5,
+                              tie_embeddings=False, max_seq_len=4096)
+        return base.replace(**overrides)
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "LlamaConfig":
+        """A tiny model for tests: 2 layers, width 64, 4 query / 2 kv heads.
+
+        Example:
+            >>> LlamaConfig.tiny(vocab=50).vocab
+            50
+        """
+        base = cls(vocab=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                              hidden_dim=96, rope_theta=10000.0, rms_eps=1e-5,
+                              tie_embeddings=False, max_seq_len=64)
+        return base.replace(**overrides)

@@ -1,0 +1,476 @@
+"""A Flax NNX LLaMA: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+The numerics follow Hugging Face ``LlamaForCausalLM`` (RoPE in the
+``rotate_half`` convention, RMSNorm in float32), so weights from a Hugging Face
+checkpoint, or from a GGUF file after undoing llama.cpp's Q/K permutation, give
+the same logits.
+
+Parameters flatten to readable dotted paths, which is what
+:class:`pockjax.UpdateScheme` rules match against::
+
+    embed.embedding                     (vocab, dim)
+    layers.3.attn_norm.scale            (dim,)
+    layers.3.attn.wq.kernel             (dim, n_heads * head_dim)    also wk, wv, wo
+    layers.3.mlp_norm.scale             (dim,)
+    layers.3.mlp.w1.kernel              (dim, hidden)   gate projection
+    layers.3.mlp.w3.kernel              (dim, hidden)   up projection
+    layers.3.mlp.w2.kernel              (hidden, dim)   down projection
+    norm.scale                          (dim,)
+    lm_head.kernel                      (dim, vocab)    untied models only
+
+With ``config.scan_layers`` the blocks are stacked: ``layers.attn.wq.kernel``
+has shape ``(n_layers, dim, n_heads * head_dim)`` and the forward pass is a
+``jax.lax.scan`` over the leading axis.
+
+For a functional training step use :func:`split` / :func:`apply`::
+
+    graphdef, params = split(model)          # params: nested dict of arrays
+    logits = apply(graphdef, params, tokens) # pure, jit/grad friendly
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pockjax.models.llama.config import LlamaConfig
+
+__all__ = [
+    "KVCache",
+    "Llama",
+    "apply",
+    "causal_mask",
+    "flatten_params",
+    "init_cache",
+    "merge",
+    "next_token_loss",
+    "rope_cos_sin",
+    "split",
+    "unflatten_params",
+]
+
+
+class KVCache(NamedTuple):
+    """Per-layer key/value cache for decoding.
+
+    Attributes:
+      k: Keys, shape ``(n_layers, batch, max_len, n_kv_heads, head_dim)``,
+        already rotated by RoPE.
+      v: Values, same shape as ``k``.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+
+def init_cache(config: LlamaConfig, batch: int, max_len: int,
+               dtype: Any = jnp.float32) -> KVCache:
+    """Returns an all-zero :class:`KVCache` for ``batch`` rows of ``max_len`` slots.
+
+    Example:
+      >>> c = init_cache(LlamaConfig.tiny(), batch=2, max_len=8)
+      >>> c.k.shape
+      (2, 2, 8, 2, 16)
+    """
+    shape = (config.n_layers, batch, max_len, config.n_kv_heads, config.head_dim_)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float
+                 ) -> tuple[jax.Array, jax.Array]:
+    """Cosine and sine tables for rotary embeddings (Hugging Face convention).
+
+    Args:
+      positions: Integer positions, shape ``(batch, seq)``.
+      head_dim: Width of one head (even).
+      theta: RoPE base (``rope_theta``).
+
+    Returns:
+      ``(cos, sin)``, each float32 of shape ``(batch, seq, head_dim)``; the
+      frequencies are repeated as ``concat(f, f)`` to pair with ``rotate_half``.
+
+    Example:
+      >>> cos, sin = rope_cos_sin(jnp.arange(3)[None], 4, 10000.0)
+      >>> cos.shape, float(cos[0, 0, 0]), float(sin[0, 1, 0])
+      ((1, 3, 4), 1.0, 0.841...)
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def _rotate_half(x: jax.Array) -> jax.Array:
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    # x: (B, T, heads, hd); cos/sin: (B, T, hd)
+    xf = x.astype(jnp.float32)
+    out = xf * cos[:, :, None, :] + _rotate_half(xf) * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+def causal_mask(query_slots: jax.Array, key_valid: jax.Array) -> jax.Array:
+    """Boolean attention mask: key ``s`` is visible from query slot ``t`` if
+    ``s <= t`` and key ``s`` is a real (non-padding) token.
+
+    Args:
+      query_slots: Slot index of each query, shape ``(batch, seq)`` or ``(seq,)``.
+      key_valid: Validity of each key slot, bool ``(batch, n_keys)``.
+
+    Returns:
+      Bool array of shape ``(batch, seq, n_keys)``.
+
+    Example:
+      >>> m = causal_mask(jnp.arange(3), jnp.array([[False, True, True]]))
+      >>> m.astype(int)[0].tolist()
+      [[0, 0, 0], [0, 1, 0], [0, 1, 1]]
+    """
+    query_slots = jnp.broadcast_to(query_slots, key_valid.shape[:1] + query_slots.shape[-1:])
+    key_slots = jnp.arange(key_valid.shape[-1])
+    return (key_slots[None, None, :] <= query_slots[:, :, None]) & key_valid[:, None, :]
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square layer norm with a learned ``scale`` (computed in float32)."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype: Any = jnp.float32):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (self.scale[...].astype(jnp.float32) * y).astype(x.dtype)
+
+
+def _linear(din: int, dout: int, rngs: nnx.Rngs, dtype: Any, param_dtype: Any,
+            std: float = 0.02) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                      kernel_init=nnx.initializers.normal(std), rngs=rngs)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with rotary embeddings and an optional KV cache."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any = None,
+                 param_dtype: Any = jnp.float32):
+        hd = config.head_dim_
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = hd
+        self.wq = _linear(config.dim, config.n_heads * hd, rngs, dtype, param_dtype)
+        self.wk = _linear(config.dim, config.n_kv_heads * hd, rngs, dtype, param_dtype)
+        self.wv = _linear(config.dim, config.n_kv_heads * hd, rngs, dtype, param_dtype)
+        self.wo = _linear(config.n_heads * hd, config.dim, rngs, dtype, param_dtype)
+
+    def __call__(self, x, cos, sin, mask, cache=None, cache_index=None):
+        b, t, _ = x.shape
+        kv, hd = self.n_kv_heads, self.head_dim
+        groups = self.n_heads // kv
+        q = self.wq(x).reshape(b, t, self.n_heads, hd)
+        k = self.wk(x).reshape(b, t, kv, hd)
+        v = self.wv(x).reshape(b, t, kv, hd)
+        q = _apply_rope(q, cos, sin)
+        k = _apply_rope(k, cos, sin)
+        new_cache = None
+        if cache is not None:
+            ck, cv = cache
+            ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_index, axis=1)
+            cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_index, axis=1)
+            new_cache = (ck, cv)
+            k, v = ck.astype(q.dtype), cv.astype(q.dtype)
+        # Query head h uses kv head h // groups (Hugging Face's repeat_kv order).
+        q = q.reshape(b, t, kv, groups, hd)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k,
+                            preferred_element_type=jnp.float32) / math.sqrt(hd)
+        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, self.n_heads * hd)
+        return self.wo(out), new_cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: ``w2(silu(w1(x)) * w3(x))`` (w1 gate, w3 up, w2 down)."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any = None,
+                 param_dtype: Any = jnp.float32):
+        self.w1 = _linear(config.dim, config.hidden_dim, rngs, dtype, param_dtype)
+        self.w3 = _linear(config.dim, config.hidden_dim, rngs, dtype, param_dtype)
+        self.w2 = _linear(config.hidden_dim, config.dim, rngs, dtype, param_dtype)
+
+    def __call__(self, x):
+        return self.w2(jax.nn.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nnx.Module):
+    """One pre-norm transformer block: attention then SwiGLU, each with a residual."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any = None,
+                 param_dtype: Any = jnp.float32):
+        self.attn_norm = RMSNorm(config.dim, config.rms_eps, param_dtype=param_dtype)
+        self.attn = Attention(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.mlp_norm = RMSNorm(config.dim, config.rms_eps, param_dtype=param_dtype)
+        self.mlp = MLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+
+    def __call__(self, x, cos, sin, mask, cache=None, cache_index=None):
+        h, new_cache = self.attn(self.attn_norm(x), cos, sin, mask, cache, cache_index)
+        x = x + h
+        x = x + self.mlp(self.mlp_norm(x))
+        return x, new_cache
+
+
+class Llama(nnx.Module):
+    """A LLaMA-architecture causal language model.
+
+    Args:
+      config: The model's :class:`LlamaConfig`.
+      rngs: Random streams for initialisation (weights are normal(0.02), norm
+        scales are ones).
+      dtype: Compute dtype of the matmuls (``None``: the parameter dtype).
+      param_dtype: Dtype the parameters are stored in.
+
+    Example:
+      >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+      >>> tokens = jnp.array([[1, 2, 3, 4]])
+      >>> model(tokens).shape
+      (1, 4, 128)
+      >>> sorted(flatten_params(split(model)[1]))[:3]
+      ['embed.embedding', 'layers.0.attn.wk.kernel', 'layers.0.attn.wo.kernel']
+    """
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any = None,
+                 param_dtype: Any = jnp.float32):
+        self.config = config
+        self.embed = nnx.Embed(config.vocab, config.dim, dtype=dtype, param_dtype=param_dtype,
+                               embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        if config.scan_layers:
+            @nnx.vmap(in_axes=0, out_axes=0)
+            def make_block(key):
+                return Block(config, rngs=nnx.Rngs(params=key), dtype=dtype,
+                             param_dtype=param_dtype)
+
+            self.layers = make_block(jax.random.split(rngs.params(), config.n_layers))
+        else:
+            self.layers = nnx.List([
+                Block(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                for _ in range(config.n_layers)
+            ])
+        self.norm = RMSNorm(config.dim, config.rms_eps, param_dtype=param_dtype)
+        if not config.tie_embeddings:
+            self.lm_head = _linear(config.dim, config.vocab, rngs, dtype, param_dtype)
+
+    # -- pieces -----------------------------------------------------------------
+
+    def _layers(self, x, cos, sin, mask, cache, cache_index):
+        if self.config.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+
+            def body(h, xs):
+                layer_state, layer_cache = xs
+                block = nnx.merge(graphdef, layer_state)
+                h, layer_cache = block(h, cos, sin, mask, layer_cache, cache_index)
+                return h, layer_cache
+
+            x, new_cache = jax.lax.scan(body, x, (state, cache))
+            return x, new_cache
+        new_k, new_v = [], []
+        for i, block in enumerate(self.layers):
+            layer_cache = None if cache is None else (cache[0][i], cache[1][i])
+            x, layer_cache = block(x, cos, sin, mask, layer_cache, cache_index)
+            if layer_cache is not None:
+                new_k.append(layer_cache[0])
+                new_v.append(layer_cache[1])
+        new_cache = None if cache is None else (jnp.stack(new_k), jnp.stack(new_v))
+        return x, new_cache
+
+    def logits_from_hidden(self, h: jax.Array) -> jax.Array:
+        """Final norm and output projection: hidden states -> float32 logits."""
+        h = self.norm(h)
+        if self.config.tie_embeddings:
+            logits = self.embed.attend(h)
+        else:
+            logits = self.lm_head(h)
+        return logits.astype(jnp.float32)
+
+    # -- entry points -----------------------------------------------------------
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 mask: jax.Array | None = None) -> jax.Array:
+        """Logits for every position of a batch of token sequences.
+
+        Args:
+          tokens: Int token ids, shape ``(batch, seq)``.
+          positions: RoPE positions, ``(batch, seq)``; default ``0 .. seq-1``,
+            or, when ``mask`` is given, the count of real tokens before each
+            token (so left-padded rows start at position 0).
+          mask: Optional ``(batch, seq)`` validity of each token (1 = real,
+            0 = padding). Padding keys are never attended to. Right padding
+            needs no mask for the real tokens' logits.
+
+        Returns:
+          float32 logits of shape ``(batch, seq, vocab)``.
+        """
+        b, t = tokens.shape
+        if mask is None:
+            key_valid = jnp.ones((b, t), bool)
+        else:
+            key_valid = mask.astype(bool)
+        if positions is None:
+            if mask is None:
+                positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+            else:
+                positions = jnp.maximum(jnp.cumsum(key_valid, axis=-1) - 1, 0)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim_, self.config.rope_theta)
+        attn_mask = causal_mask(jnp.arange(t), key_valid)
+        x = self.embed(tokens)
+        x, _ = self._layers(x, cos, sin, attn_mask, None, None)
+        return self.logits_from_hidden(x)
+
+    def decode(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
+               cache_index: jax.Array | int, key_valid: jax.Array
+               ) -> tuple[jax.Array, KVCache]:
+        """Runs ``tokens`` through the model, reading and writing a KV cache.
+
+        The new keys/values go to cache slots ``cache_index .. cache_index +
+        seq - 1`` (the same slots for every row); a query in slot ``s`` sees the
+        cache slots ``<= s`` whose ``key_valid`` is true.
+
+        Args:
+          tokens: ``(batch, seq)`` ids (the prompt for prefill, one token per row
+            for a decoding step).
+          positions: ``(batch, seq)`` RoPE positions.
+          cache: The :class:`KVCache` (see :func:`init_cache`).
+          cache_index: First cache slot to write.
+          key_valid: ``(batch, max_len)`` bool, which cache slots hold real
+            tokens (including the ones being written now).
+
+        Returns:
+          ``(logits, cache)``: float32 logits ``(batch, seq, vocab)`` and the
+          updated cache.
+
+        Example:
+          >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+          >>> toks = jnp.array([[5, 6, 7]])
+          >>> cache = init_cache(model.config, 1, 8)
+          >>> valid = jnp.arange(8)[None] < 3
+          >>> logits, cache = model.decode(toks, jnp.arange(3)[None], cache, 0, valid)
+          >>> bool(jnp.allclose(logits, model(toks), atol=1e-5))
+          True
+        """
+        t = tokens.shape[1]
+        cos, sin = rope_cos_sin(positions, self.config.head_dim_, self.config.rope_theta)
+        attn_mask = causal_mask(cache_index + jnp.arange(t), key_valid)
+        x = self.embed(tokens)
+        x, (k, v) = self._layers(x, cos, sin, attn_mask, (cache.k, cache.v), cache_index)
+        return self.logits_from_hidden(x), KVCache(k, v)
+
+
+# -- functional interface --------------------------------------------------------
+
+
+def split(model: Llama) -> tuple[nnx.GraphDef, dict]:
+    """Splits a model into a static graph definition and a nested dict of arrays.
+
+    ``params`` is a plain pytree (dicts with str / int keys) of the model's
+    parameters, suitable for ``jax.grad``, Optax and :func:`flatten_params`.
+
+    Example:
+      >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+      >>> graphdef, params = split(model)
+      >>> params["layers"][0]["attn"]["wq"]["kernel"].shape
+      (64, 64)
+    """
+    graphdef, state = nnx.split(model)
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def merge(graphdef: nnx.GraphDef, params: dict) -> Llama:
+    """Rebuilds a :class:`Llama` from :func:`split` output.
+
+    Example:
+      >>> graphdef, params = split(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)))
+      >>> merge(graphdef, params).config.n_layers
+      2
+    """
+    return nnx.merge(graphdef, params)
+
+
+def apply(graphdef: nnx.GraphDef, params: dict, tokens: jax.Array,
+          positions: jax.Array | None = None, mask: jax.Array | None = None) -> jax.Array:
+    """Pure forward pass: ``merge(graphdef, params)(tokens, positions, mask)``.
+
+    Example:
+      >>> graphdef, params = split(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)))
+      >>> loss = lambda p: apply(graphdef, p, jnp.ones((1, 4), jnp.int32)).mean()
+      >>> grads = jax.grad(loss)(params)
+      >>> grads["norm"]["scale"].shape
+      (64,)
+    """
+    return merge(graphdef, params)(tokens, positions, mask)
+
+
+def flatten_params(params: dict) -> dict[str, jax.Array]:
+    """Flattens a nested params dict to ``{"layers.0.attn.wq.kernel": array, ...}``.
+
+    Example:
+      >>> flatten_params({"a": {0: {"b": 1}}})
+      {'a.0.b': 1}
+    """
+    flat = {}
+
+    def walk(prefix, node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            flat[prefix] = node
+
+    walk("", params)
+    return flat
+
+
+def unflatten_params(flat: dict[str, Any]) -> dict:
+    """Inverse of :func:`flatten_params` (digit path parts become int keys).
+
+    Example:
+      >>> unflatten_params({"a.0.b": 1})
+      {'a': {0: {'b': 1}}}
+    """
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        parts = [int(p) if p.isdigit() else p for p in path.split(".")]
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+
+def next_token_loss(logits: jax.Array, targets: jax.Array,
+                    loss_mask: jax.Array) -> jax.Array:
+    """Mean cross-entropy of ``targets`` under ``logits`` over unmasked positions.
+
+    Args:
+      logits: ``(batch, seq, vocab)``; position ``t`` predicts ``targets[:, t]``.
+      targets: ``(batch, seq)`` int ids (already shifted by one).
+      loss_mask: ``(batch, seq)``; 1 where the target counts (answer tokens).
+
+    Returns:
+      Scalar float32 loss (0 if nothing is unmasked).
+
+    Example:
+      >>> logits = jnp.zeros((1, 2, 4))
+      >>> round(float(next_token_loss(logits, jnp.array([[1, 2]]), jnp.array([[1, 0]]))), 4)
+      1.3863
+    """
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    w = loss_mask.astype(jnp.float32)
+    return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)

@@ -1,0 +1,366 @@
+"""Tokenizers for LLaMA-family models, built with the ``tokenizers`` library.
+
+:func:`load_tokenizer` builds the byte-level BPE tokenizer that a GGUF file
+describes in its metadata (``tokenizer.ggml.tokens``, ``merges``,
+``token_type``, special token ids and the pre-tokenizer name), or loads a
+Hugging Face ``tokenizer.json``. :class:`Tokenizer` adds the model's chat
+template.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Iterable, Sequence
+
+__all__ = ["Tokenizer", "load_tokenizer", "tokenizer_from_gguf", "tokenizer_from_hf_dir",
+           "render_chatml"]
+
+# llama.cpp token types (gguf.TokenType).
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+# The GPT-2 split, used by byte-level BPE unless a pre-tokenizer says otherwise.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# llama.cpp pre-tokenizer names (tokenizer.ggml.pre) -> how to split.
+# "digits": each digit is its own piece, then the GPT-2 split (StarCoder, SmolLM).
+_PRE_TOKENIZERS = {
+    "default": "gpt2", "gpt2": "gpt2", "gpt-2": "gpt2", "phi-2": "gpt2", "olmo": "gpt2",
+    "smollm": "digits", "starcoder": "digits", "refact": "digits", "codeshell": "digits",
+    "llama3": "llama3", "llama-v3": "llama3", "llama-bpe": "llama3", "smaug-bpe": "llama3",
+    "dbrx": "llama3", "falcon3": "llama3",
+}
+
+_CHATML_DEFAULT_SYSTEM = re.compile(
+    r"<\|im_start\|>system\n(.*?)<\|im_end\|>", re.DOTALL)
+
+
+def render_chatml(messages: Sequence[dict[str, str]], add_generation_prompt: bool = True,
+                  default_system: str | None = None) -> str:
+    """Renders messages in the ChatML format (``<|im_start|>role\\ncontent<|im_end|>\\n``).
+
+    Args:
+      messages: ``[{"role": ..., "content": ...}, ...]``.
+      add_generation_prompt: End with ``<|im_start|>assistant\\n``.
+      default_system: System message inserted when the first message is not a
+        system message (``None``: none).
+
+    Example:
+      >>> render_chatml([{"role": "user", "content": "Hi"}], default_system="Be brief.")
+      '<|im_start|>system\\nBe brief.<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n'
+    """
+    out = []
+    if messages and messages[0]["role"] != "system" and default_system is not None:
+        out.append(f"<|im_start|>system\n{default_system}<|im_end|>\n")
+    for m in messages:
+        out.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` plus special ids and the chat template.
+
+    Args:
+      backend: The ``tokenizers.Tokenizer`` doing the work.
+      bos_id, eos_id, pad_id: Special token ids (``None`` if absent).
+      chat_template: The model's Jinja chat template, if any.
+      add_bos: Prepend ``bos_id`` in :meth:`encode` by default.
+
+    Attributes:
+      backend, bos_id, eos_id, pad_id, chat_template, add_bos.
+
+    Example:
+      >>> tok = Tokenizer.byte_level_for_tests()
+      >>> tok.decode(tok.encode("héllo wörld"))
+      'héllo wörld'
+    """
+
+    def __init__(self, backend: Any, *, bos_id: int | None = None, eos_id: int | None = None,
+                 pad_id: int | None = None, chat_template: str | None = None,
+                 add_bos: bool = False):
+        self.backend = backend
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.pad_id = pad_id if pad_id is not None else eos_id
+        self.chat_template = chat_template
+        self.add_bos = add_bos
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, including added tokens."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a token string (e.g. ``"<|im_end|>"``), or ``None``."""
+        return self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text are parsed.
+
+        Args:
+          text: The string to encode.
+          add_bos: Prepend the BOS id (default: the model's ``add_bos``).
+
+        Example:
+          >>> tok = Tokenizer.byte_level_for_tests()
+          >>> tok.encode("ab")
+          [97, 98]
+        """
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def encode_batch(self, texts: Iterable[str], add_bos: bool | None = None) -> list[list[int]]:
+        """:meth:`encode` over several strings (in parallel in the backend).
+
+        Example:
+          >>> Tokenizer.byte_level_for_tests().encode_batch(["a", "bc"])
+          [[97], [98, 99]]
+        """
+        encs = self.backend.encode_batch(list(texts), add_special_tokens=False)
+        use_bos = (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None
+        return [([self.bos_id] if use_bos else []) + e.ids for e in encs]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of token ids.
+
+        Example:
+          >>> tok = Tokenizer.byte_level_for_tests()
+          >>> tok.decode([104, 105])
+          'hi'
+        """
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: Sequence[dict[str, str]],
+                    add_generation_prompt: bool = True) -> str:
+        """The chat template applied to ``messages``, as text.
+
+        Uses ``jinja2`` to render the model's own template when it is installed;
+        otherwise, for ChatML templates (``<|im_start|>``), a built-in renderer
+        that keeps the template's default system message.
+
+        Example:
+          >>> tok = Tokenizer.byte_level_for_tests()
+          >>> tok.render_chat([{"role": "user", "content": "Hi"}])
+          '<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n'
+        """
+        template = self.chat_template
+        if template is None or "<|im_start|>" in template:
+            default_system = None
+            if template is not None:
+                m = _CHATML_DEFAULT_SYSTEM.search(template.replace("\\n", "\n"))
+                if m and "messages[0]['role'] != 'system'" in template:
+                    default_system = m.group(1)
+            chatml = render_chatml(messages, add_generation_prompt, default_system)
+            if template is None:
+                return chatml
+        try:
+            import jinja2.sandbox
+        except ImportError:
+            if template is not None and "<|im_start|>" in template:
+                return chatml
+            raise ImportError(f"rendering this model's chat template needs jinja2"
+                              f" (pip install jinja2)") from None
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(msg):
+            raise ValueError(msg)
+
+        env.globals["raise_exception"] = raise_exception
+        special = {"bos_token": "", "eos_token": ""}
+        if self.bos_id is not None:
+            special["bos_token"] = self.backend.id_to_token(self.bos_id)
+        if self.eos_id is not None:
+            special["eos_token"] = self.backend.id_to_token(self.eos_id)
+        return env.from_string(template).render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **special)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]],
+                            add_generation_prompt: bool = True,
+                            tokenize: bool = True) -> list[int] | str:
+        """Token ids (or text, with ``tokenize=False``) of a chat.
+
+        Args:
+          messages: ``[{"role": "user", "content": "..."}, ...]``.
+          add_generation_prompt: End with the assistant header so the model
+            answers next.
+          tokenize: Return ids (default) or the rendered text.
+
+        Example:
+          >>> tok = Tokenizer.byte_level_for_tests()
+          >>> tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)[:15]
+          '<|im_start|>use'
+        """
+        text = self.render_chat(messages, add_generation_prompt)
+        return self.encode(text, add_bos=False) if tokenize else text
+
+    @classmethod
+    def byte_level_for_tests(cls) -> "Tokenizer":
+        """A 256-token byte-level tokenizer with ChatML specials, for tests and docs.
+
+        Example:
+          >>> Tokenizer.byte_level_for_tests().vocab_size
+          259
+        """
+        from tokenizers import pre_tokenizers
+
+        byte_map = _bytes_to_unicode()
+        tokens = [byte_map[b] for b in range(256)] + ["<|endoftext|>", "<|im_start|>",
+                                                       "<|im_end|>"]
+        types = [_NORMAL] * 256 + [_CONTROL] * 3
+        backend = _byte_level_bpe(tokens, [], types, pre_tokenizers.ByteLevel(
+            add_prefix_space=False, use_regex=True))
+        return cls(backend, bos_id=None, eos_id=258, pad_id=256,
+                   chat_template=None)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's reversible byte -> printable unicode character map.
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int] | None,
+                    pre_tokenizer: Any):
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = []
+    for m in merges:
+        a, sep, b = m.partition(" ")
+        if not sep:
+            raise ValueError(f"malformed BPE merge {m!r} (expected 'left right')")
+        pairs.append((a, b))
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
+                                     byte_fallback=False, ignore_merges=False))
+    backend.pre_tokenizer = pre_tokenizer
+    backend.decoder = decoders.ByteLevel()
+    types = token_types or [_NORMAL] * len(tokens)
+    control = [AddedToken(t, special=True, normalized=False)
+               for t, ty in zip(tokens, types) if ty == _CONTROL]
+    user = [AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+    if control:
+        backend.add_special_tokens(control)
+    if user:
+        backend.add_tokens(user)
+    return backend
+
+
+def _pre_tokenizer(name: str | None):
+    from tokenizers import Regex, pre_tokenizers
+
+    kind = _PRE_TOKENIZERS.get(name or "default")
+    if kind is None:
+        raise ValueError(
+            f"unsupported GGUF pre-tokenizer {name!r}; supported:"
+            f" {sorted(_PRE_TOKENIZERS)}")
+    if kind == "gpt2":
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if kind == "digits":
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    split = _LLAMA3_SPLIT
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def tokenizer_from_gguf(reader) -> Tokenizer:
+    """Builds the :class:`Tokenizer` described by an open GGUF file's metadata.
+
+    Supports byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``),
+    as used by SmolLM, LLaMA-3 and StarCoder-style models.
+
+    Raises:
+      ValueError: for SentencePiece (``"llama"``) or other tokenizer models, or
+        an unknown pre-tokenizer.
+    """
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    model = field("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(
+            f"GGUF tokenizer model {model!r} is not supported (pockjax builds byte-level BPE"
+            f" 'gpt2' tokenizers); for a SentencePiece LLaMA-2 model, load its Hugging Face"
+            f" directory's tokenizer.json with tokenizer_from_hf_dir()")
+    tokens = field("tokenizer.ggml.tokens")
+    merges = field("tokenizer.ggml.merges", [])
+    types = field("tokenizer.ggml.token_type")
+    backend = _byte_level_bpe(tokens, merges, types, _pre_tokenizer(field("tokenizer.ggml.pre")))
+    return Tokenizer(
+        backend,
+        bos_id=field("tokenizer.ggml.bos_token_id"),
+        eos_id=field("tokenizer.ggml.eos_token_id"),
+        pad_id=field("tokenizer.ggml.padding_token_id"),
+        chat_template=field("tokenizer.chat_template"),
+        add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
+    )
+
+
+def tokenizer_from_hf_dir(path: str | os.PathLike) -> Tokenizer:
+    """Loads ``tokenizer.json`` (+ ``tokenizer_config.json``) from a Hugging Face directory.
+
+    Raises:
+      FileNotFoundError: no ``tokenizer.json`` in ``path``.
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = os.fspath(path)
+    tj = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tj):
+        raise FileNotFoundError(f"no tokenizer.json in {path}")
+    backend = HFTokenizer.from_file(tj)
+    cfg: dict[str, Any] = {}
+    cj = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(cj):
+        with open(cj, encoding="utf-8") as f:
+            cfg = json.load(f)
+
+    def special(name):
+        tok = cfg.get(name)
+        if isinstance(tok, dict):
+            tok = tok.get("content")
+        return backend.token_to_id(tok) if tok else None
+
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    # A post-processor in tokenizer.json may add BOS itself; encode() calls the backend
+    # without special tokens, so follow tokenizer_config's add_bos_token.
+    return Tokenizer(backend, bos_id=special("bos_token"), eos_id=special("eos_token"),
+                     pad_id=special("pad_token"), chat_template=template,
+                     add_bos=bool(cfg.get("add_bos_token", False)))
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Loads a tokenizer from a ``.gguf`` file or a Hugging Face model directory.
+
+    Example (not run: reads a model file)::
+
+      tok = load_tokenizer(pretrained_path("smollm2-135m"))
+      tok.decode(tok.encode("Hello world"))   # 'Hello world'
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return tokenizer_from_hf_dir(path)
+    from pockjax.models.llama.gguf import open_gguf
+
+    return tokenizer_from_gguf(open_gguf(path))
