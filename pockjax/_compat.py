@@ -1,0 +1,143 @@
+"""Every import of JAX internals lives here.
+
+pockjax rewrites jaxprs, which needs a few pieces of JAX that are not (yet) in
+the public ``jax.extend`` API. Keeping them in one module means a JAX upgrade
+touches one file; ``pyproject.toml`` pins the JAX range these were checked on.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.extend import core as jex_core
+
+# Public (jax.extend) names first.
+ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
+JaxprEqn = jex_core.JaxprEqn
+Literal = jex_core.Literal
+Primitive = jex_core.Primitive
+Var = jex_core.Var
+DropVar = jex_core.DropVar
+jaxpr_as_fun = jex_core.jaxpr_as_fun
+check_jaxpr = jex_core.check_jaxpr
+new_jaxpr_eqn = jex_core.new_jaxpr_eqn
+
+# Internals: AD, batching and lowering registration, DCE rules, eval.
+from jax._src import core as _core  # noqa: E402
+from jax._src.interpreters import ad, batching, mlir  # noqa: E402
+from jax._src.interpreters import partial_eval as pe  # noqa: E402
+
+ShapedArray = _core.ShapedArray
+eval_jaxpr = _core.eval_jaxpr
+dce_rules = pe.dce_rules
+dce_jaxpr = pe.dce_jaxpr
+primitive_transposes = ad.primitive_transposes
+deflinear2 = ad.deflinear2
+primitive_batchers = batching.primitive_batchers
+register_lowering = mlir.register_lowering
+lower_fun = mlir.lower_fun
+is_undefined_primal = ad.is_undefined_primal
+Zero = ad.Zero
+
+
+# Primitives whose jaxpr params describe a small combiner (scatter's update,
+# a generic reduction's body), not a computation on the primitive's operands:
+# passes treat them as ordinary ops.
+COMBINER_PRIMITIVE_PREFIXES = ("scatter", "reduce_window", "select_and_", "reduce", "sort", "argsort")
+
+
+def is_combiner_primitive(name: str) -> bool:
+    return name.startswith(COMBINER_PRIMITIVE_PREFIXES)
+
+
+def subjaxprs_of(eqn: JaxprEqn) -> list[tuple[str, object]]:
+    """Return ``(param_name, jaxpr_or_list)`` for every nested jaxpr of ``eqn``.
+
+    Handles the param conventions used by JAX primitives: a single ``Jaxpr`` /
+    ``ClosedJaxpr`` (``jit``, ``scan``, ``remat``, ``custom_jvp_call``...), or a
+    tuple of them (``cond`` branches).
+    """
+    found = []
+    if is_combiner_primitive(eqn.primitive.name):
+        return found
+    for name, value in eqn.params.items():
+        if isinstance(value, (Jaxpr, ClosedJaxpr)):
+            found.append((name, value))
+        elif isinstance(value, (tuple, list)) and value and all(
+            isinstance(v, (Jaxpr, ClosedJaxpr)) for v in value
+        ):
+            found.append((name, value))
+    return found
+
+
+def jax_version() -> tuple[int, ...]:
+    return tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+primitive_jvps = ad.primitive_jvps
+instantiate_zeros = ad.instantiate_zeros
+
+from jax._src import source_info_util as _siu  # noqa: E402
+
+
+def source_context(eqn: JaxprEqn):
+    """A context manager under which re-bound ops keep ``eqn``'s source info."""
+    name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+    return _siu.user_context(eqn.source_info.traceback, name_stack=name_stack)
+
+
+def get_bind_params(primitive, params: dict) -> dict:
+    """Params to re-bind ``primitive`` with (JAX 0.10: params only, no subfuns)."""
+    out = primitive.get_bind_params(params)
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+        raise NotImplementedError("this JAX returns (subfuns, params) from get_bind_params; update _compat")
+    return out
+
+# --- Finding gradients -------------------------------------------------------
+# jax.grad / value_and_grad / vjp all linearize through ``ad.linearize``. While
+# pockjax traces a train step, it wraps that function so that every primal
+# that is one of the step's parameter leaves first passes through
+# ``pockjax_param_tag`` *inside* the linearized function: the parameter's
+# cotangent then ends in a ``pockjax_grad_tag`` equation. Outside a trace the
+# wrapper is a no-op.
+import contextlib  # noqa: E402
+import threading  # noqa: E402
+
+_param_registry = threading.local()
+_original_linearize = ad.linearize
+
+
+def _tagging_linearize(traceable, primals_ft, *args, **kwargs):
+    registry = getattr(_param_registry, "ids", None)
+    if not registry:
+        return _original_linearize(traceable, primals_ft, *args, **kwargs)
+    flat = list(primals_ft)
+    indices = [registry.get(id(p)) for p in flat]
+    if all(i is None for i in indices):
+        return _original_linearize(traceable, primals_ft, *args, **kwargs)
+    tag = _param_registry.tag
+
+    def tagged(*fargs):
+        leaves, tree = jax.tree_util.tree_flatten(fargs)
+        if len(leaves) != len(indices):  # unexpected structure: leave untouched
+            return traceable(*fargs)
+        leaves = [x if i is None else tag(x, i) for x, i in zip(leaves, indices)]
+        return traceable(*jax.tree_util.tree_unflatten(tree, leaves))
+
+    tagged.__name__ = getattr(traceable, "__name__", "tagged")
+    tagged.__wrapped__ = traceable
+    return _original_linearize(tagged, primals_ft, *args, **kwargs)
+
+
+ad.linearize = _tagging_linearize
+
+
+@contextlib.contextmanager
+def tagging_params(tracers, tag):
+    """While active, linearizations w.r.t. ``tracers[i]`` tag it as param ``i``."""
+    previous = getattr(_param_registry, "ids", None), getattr(_param_registry, "tag", None)
+    _param_registry.ids = {id(t): i for i, t in enumerate(tracers) if t is not None}
+    _param_registry.tag = tag
+    try:
+        yield
+    finally:
+        _param_registry.ids, _param_registry.tag = previous

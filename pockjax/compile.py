@@ -1,0 +1,393 @@
+"""``pockjax.compile``: trace the whole train step once, rewrite it, compile it.
+
+::
+
+    @pockjax.compile(scheme=pockjax.UpdateScheme({"layers.*.attn.*": "full"}))
+    def train_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+The decorated function has the signature of ``train_step``. On the first call
+with a new input signature (tree structure, shapes, dtypes) it traces the
+step into a :class:`~pockjax.graph.TrainGraph`, runs the passes
+(``sparse_grad(scheme)`` then ``dce`` by default), strips pockjax's tags and
+compiles the result with the backend; later calls with that signature reuse
+the :class:`CompiledStep`.
+
+Flax NNX steps ``step(model, optimizer, *batch) -> aux`` are supported too:
+the model and optimizer are updated in place, as with ``nnx.jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from pockjax import _compat as C
+from pockjax.analysis import PruneSummary, summarize
+from pockjax.errors import BackendError, StepSignatureError
+from pockjax.graph import MODEL_STATE, OPT_STATE, PARAM, TrainGraph, trace_step
+from pockjax.optim.state import SparseOptState
+from pockjax.paths import keypath_to_parts
+from pockjax.scheme import UpdateScheme
+from pockjax.transforms.dce import dce
+from pockjax.transforms.sparse_grad import sparse_grad
+from pockjax.transforms.strip_tags import strip_tags
+
+Pass = Callable[[TrainGraph], TrainGraph]
+
+
+def chain(*passes: Pass) -> Pass:
+    """Compose passes left to right, like ``optax.chain``.
+
+    Example:
+        >>> import pockjax
+        >>> pipeline = pockjax.chain(pockjax.sparse_grad(pockjax.UpdateScheme.full()), pockjax.dce)
+        >>> pipeline.__name__
+        'chain(sparse_grad, dce)'
+    """
+
+    def apply(graph: TrainGraph) -> TrainGraph:
+        for p in passes:
+            graph = p(graph)
+        return graph
+
+    apply.__name__ = "chain(" + ", ".join(getattr(p, "__name__", repr(p)) for p in passes) + ")"
+    apply.passes = passes
+    return apply
+
+
+def default_passes(scheme: UpdateScheme | None, sparse_opt_state: bool = False) -> Pass:
+    """``sparse_grad(scheme)`` then ``dce`` (just ``dce`` without a scheme)."""
+    if scheme is None:
+        return chain(dce)
+    return chain(sparse_grad(scheme, sparse_opt_state=sparse_opt_state), dce)
+
+
+# -- the compiled step ----------------------------------------------------------
+@dataclasses.dataclass
+class CompiledStep:
+    """One train step, traced, transformed and compiled for one input signature.
+
+    Attributes:
+      traced: the graph as traced (full step, with tags).
+      graph: the graph after the passes (what the backend compiled).
+      executable: the backend's callable over flat arrays.
+      backend: the backend's name (``"xla"``).
+    """
+
+    traced: TrainGraph
+    graph: TrainGraph
+    executable: Any
+    backend: str
+    in_tree: Any
+    out_builder: Callable
+    passthrough: tuple  # per graph output: input index it forwards, or None
+    computed_outputs: tuple
+    _summary: PruneSummary | None = None
+
+    @property
+    def jaxpr(self) -> C.ClosedJaxpr:
+        """The transformed closed jaxpr."""
+        return self.graph.closed_jaxpr
+
+    def summary(self) -> PruneSummary:
+        """Equations and FLOPs of the traced full step versus the compiled one."""
+        if self._summary is None:
+            self._summary = summarize(dce(strip_tags(self.traced)), self.graph)
+        return self._summary
+
+    def cost_analysis(self) -> dict:
+        """XLA's cost analysis of the compiled program (``flops``, ``bytes accessed``...)."""
+        ca = self.executable.compiled.cost_analysis()
+        return ca[0] if isinstance(ca, (list, tuple)) else ca
+
+    def memory_analysis(self):
+        """XLA's memory analysis of the compiled program."""
+        return self.executable.compiled.memory_analysis()
+
+    def call_flat(self, flat_args: Sequence) -> list:
+        computed = self.executable(*flat_args)
+        it = iter(computed)
+        return [flat_args[src] if src is not None else next(it) for src in self.passthrough]
+
+    def __call__(self, *args):
+        flat, tree = jax.tree_util.tree_flatten(args)
+        if tree != self.in_tree:
+            raise StepSignatureError(f"arguments have structure {tree}, expected {self.in_tree}")
+        return self.out_builder(self.call_flat(flat))
+
+
+class XlaExecutable:
+    """The XLA backend: ``jax.jit`` of the transformed jaxpr, state donated."""
+
+    name = "xla"
+
+    def __init__(self, graph: TrainGraph, computed_outputs: Sequence[int], donate: Sequence[int]):
+        closed = graph.closed_jaxpr
+        inner = closed.jaxpr.replace(outvars=[closed.jaxpr.outvars[o] for o in computed_outputs])
+        C.check_jaxpr(inner)
+        fun = C.jaxpr_as_fun(C.ClosedJaxpr(inner, closed.consts))
+        self.jitted = jax.jit(fun, donate_argnums=tuple(donate))
+        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in graph.in_avals]
+        try:
+            self.compiled = self.jitted.lower(*avals).compile()
+        except Exception as e:  # pragma: no cover - XLA failure reporting
+            raise BackendError(f"XLA failed to compile the transformed step: {e}") from e
+
+    def __call__(self, *flat_args):
+        return self.compiled(*flat_args)
+
+
+# -- the decorator ----------------------------------------------------------------
+def _signature(flat):
+    return tuple((np.shape(x), str(jax.dtypes.result_type(x)), bool(getattr(x, "weak_type", False))) for x in flat)
+
+
+def _is_nnx_module(x) -> bool:
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(x, (nnx.Module, nnx.Optimizer)) if hasattr(nnx, "Optimizer") else isinstance(x, nnx.Module)
+
+
+class CompiledFunction:
+    """What :func:`compile` returns: a train step with the original signature."""
+
+    def __init__(self, step, scheme, passes, backend, donate, target_options):
+        functools.update_wrapper(self, step)
+        self.step = step
+        self.scheme = scheme
+        self.passes = passes
+        self.backend = backend
+        self.donate = donate
+        self.target_options = target_options or {}
+        self._cache: dict = {}
+
+    # -- public helpers ---------------------------------------------------------
+    def lower(self, *args) -> CompiledStep:
+        """The :class:`CompiledStep` for these arguments (compiling it if new)."""
+        if args and _is_nnx_module(args[0]):
+            return self._nnx_compiled(*args)[0]
+        return self._functional_compiled(args)
+
+    def jaxpr(self, *args) -> C.ClosedJaxpr:
+        """The transformed jaxpr for these arguments."""
+        return self.lower(*args).jaxpr
+
+    def summary(self, *args) -> PruneSummary:
+        """What the passes pruned for these arguments (equations, FLOPs)."""
+        return self.lower(*args).summary()
+
+    def __call__(self, *args):
+        if args and _is_nnx_module(args[0]):
+            return self._call_nnx(*args)
+        compiled = self._functional_compiled(args)
+        return compiled(*args)
+
+    # -- functional steps -------------------------------------------------------
+    def _functional_compiled(self, args) -> CompiledStep:
+        if len(args) < 2:
+            raise StepSignatureError(
+                f"a compiled step is called as step(params, opt_state, *batch); got {len(args)} argument(s)"
+            )
+        flat, tree = jax.tree_util.tree_flatten(args)
+        key = (tree, _signature(flat))
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        sparse_state = isinstance(args[1], SparseOptState)
+        if sparse_state:
+            if self.scheme is None:
+                raise StepSignatureError("a SparseOptState needs the step to be compiled with a scheme")
+            if args[1].layout.scheme != self.scheme:
+                raise StepSignatureError(
+                    "the SparseOptState was initialised for another scheme than the step's; "
+                    "make it with pockjax.init_opt_state(tx, params, scheme) using the same scheme"
+                )
+            trace_args = (args[0], args[1].full_abstract(), *args[2:])
+        else:
+            trace_args = args
+        traced = trace_step(self.step, trace_args)
+        passes = self.passes or default_passes(self.scheme, sparse_state)
+        graph = strip_tags(passes(traced))
+        if sparse_state:
+            expected = [tuple(np.shape(x)) for x in args[1].leaves]
+            got = [tuple(graph.in_avals[i].shape) for i, r in enumerate(graph.in_roles) if r == OPT_STATE]
+            if expected != got:
+                raise StepSignatureError(
+                    f"the sparse optimizer state has leaf shapes {expected} but the step needs {got}"
+                )
+        aux_trees = traced.out_tree.children()[2:]
+        param_def = jax.tree.structure(args[0])
+        opt_def = jax.tree.structure(args[1])
+        n_params = param_def.num_leaves
+        n_opt = opt_def.num_leaves
+
+        def build(flat_out):
+            params = jax.tree_util.tree_unflatten(param_def, flat_out[:n_params])
+            opt = jax.tree_util.tree_unflatten(opt_def, flat_out[n_params : n_params + n_opt])
+            rest, outs = flat_out[n_params + n_opt :], []
+            for t in aux_trees:
+                outs.append(jax.tree_util.tree_unflatten(t, rest[: t.num_leaves]))
+                rest = rest[t.num_leaves :]
+            return (params, opt, *outs)
+
+        compiled = self._finish(traced, graph, tree, build)
+        self._cache[key] = compiled
+        return compiled
+
+    def _finish(self, traced, graph, in_tree, build) -> CompiledStep:
+        invars = graph.jaxpr.invars
+        index = {v: i for i, v in enumerate(invars)}
+        passthrough = tuple(
+            index.get(v) if not isinstance(v, C.Literal) and v in index else None for v in graph.jaxpr.outvars
+        )
+        computed = tuple(o for o, src in enumerate(passthrough) if src is None)
+        forwarded = {src for src in passthrough if src is not None}
+        donate = []
+        if self.donate:
+            donate = [
+                i
+                for i, role in enumerate(graph.in_roles)
+                if role in (PARAM, OPT_STATE, MODEL_STATE) and i not in forwarded
+            ]
+        if self.backend != "xla":
+            raise BackendError(f"unknown backend {self.backend!r}; available: 'xla'")
+        executable = XlaExecutable(graph, computed, donate)
+        return CompiledStep(
+            traced=traced,
+            graph=graph,
+            executable=executable,
+            backend=self.backend,
+            in_tree=in_tree,
+            out_builder=build,
+            passthrough=passthrough,
+            computed_outputs=computed,
+        )
+
+    # -- Flax NNX steps -------------------------------------------------------------
+    def _nnx_compiled(self, model, optimizer, *batch):
+        from flax import nnx
+
+        graphdef, state = nnx.split((model, optimizer))
+        flat_vars = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+        leaves, state_def = jax.tree_util.tree_flatten(state)
+        if len(leaves) != len(flat_vars):
+            raise StepSignatureError("unexpected NNX state layout: variables holding several arrays")
+        roles, paths = [], []
+        for keypath, var in flat_vars:
+            parts = keypath_to_parts(keypath)
+            owner, rest = parts[0], ".".join(parts[1:])
+            if owner == "0":
+                roles.append(PARAM if isinstance(var, nnx.Param) else MODEL_STATE)
+                paths.append(rest if isinstance(var, nnx.Param) else f"model_state.{rest}")
+            else:
+                roles.append(OPT_STATE)
+                paths.append(f"opt_state.{rest}")
+        batch_flat, batch_def = jax.tree_util.tree_flatten(batch)
+        key = ("nnx", graphdef, state_def, _signature(leaves), batch_def, _signature(batch_flat))
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit, state_def, graphdef
+        step = self.step
+
+        def functional(state_leaves, *batch_args):
+            st = jax.tree_util.tree_unflatten(state_def, state_leaves)
+            m, opt = nnx.merge(graphdef, st)
+            aux = step(m, opt, *batch_args)
+            _, new_state = nnx.split((m, opt))
+            new_leaves = jax.tree.leaves(new_state)
+            return new_leaves, aux
+
+        batch_roles = ["batch"] * len(batch_flat)
+        traced = trace_step(
+            functional,
+            (list(leaves), *batch),
+            roles=roles + batch_roles,
+            paths=paths + [f"batch.{i}" for i in range(len(batch_flat))],
+            n_state_args=1,
+        )
+        passes = self.passes or default_passes(self.scheme)
+        graph = strip_tags(passes(traced))
+        n_state = len(leaves)
+        aux_tree = traced.out_tree.children()[1]
+
+        def build(flat_out):
+            return flat_out[:n_state], jax.tree_util.tree_unflatten(aux_tree, flat_out[n_state:])
+
+        in_tree = jax.tree_util.tree_structure((list(leaves), *batch))
+        compiled = self._finish(traced, graph, in_tree, build)
+        self._cache[key] = compiled
+        return compiled, state_def, graphdef
+
+    def _call_nnx(self, model, optimizer, *batch):
+        from flax import nnx
+
+        compiled, state_def, _ = self._nnx_compiled(model, optimizer, *batch)
+        _, state = nnx.split((model, optimizer))
+        leaves = jax.tree.leaves(state)
+        new_leaves, aux = compiled(list(leaves), *batch)
+        new_state = jax.tree_util.tree_unflatten(state_def, new_leaves)
+        nnx.update((model, optimizer), new_state)
+        return aux
+
+
+def compile(
+    step: Callable | None = None,
+    *,
+    scheme: UpdateScheme | None = None,
+    passes: Pass | None = None,
+    backend: str = "xla",
+    donate: bool = True,
+    target_options: dict | None = None,
+):
+    """Compile a whole train step with pockjax's passes.
+
+    Usable as ``@pockjax.compile`` or ``@pockjax.compile(scheme=...)``.
+
+    Args:
+      step: ``step(params, opt_state, *batch) -> (params, opt_state, *aux)``,
+        or a Flax NNX step ``step(model, optimizer, *batch) -> aux``.
+      scheme: the :class:`~pockjax.UpdateScheme`; ``None`` trains everything.
+      passes: a pass pipeline to use instead of ``sparse_grad(scheme)`` + ``dce``.
+      backend: ``"xla"`` (in-process XLA).
+      donate: donate parameters and optimizer state buffers to the step.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, pockjax
+        >>> tx = optax.adam(1e-2)
+        >>> scheme = pockjax.UpdateScheme({"out.*": "full"})
+        >>> @pockjax.compile(scheme=scheme)
+        ... def step(params, opt_state, x, y):
+        ...     def loss_fn(p):
+        ...         h = jnp.tanh(x @ p["hidden"]["w"])
+        ...         return jnp.mean((h @ p["out"]["w"] + p["out"]["b"] - y) ** 2)
+        ...     loss, grads = jax.value_and_grad(loss_fn)(params)
+        ...     updates, opt_state = tx.update(grads, opt_state, params)
+        ...     return optax.apply_updates(params, updates), opt_state, loss
+        >>> k1, k2 = jax.random.split(jax.random.key(0))
+        >>> params = {"hidden": {"w": jax.random.normal(k1, (3, 8))},
+        ...           "out": {"w": jax.random.normal(k2, (8, 1)), "b": jnp.zeros(1)}}
+        >>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 1))
+        >>> hidden_before = params["hidden"]["w"]
+        >>> params, opt_state, loss = step(params, tx.init(params), x, y)
+        >>> bool((params["hidden"]["w"] == hidden_before).all())  # frozen: bitwise unchanged
+        True
+        >>> summary = step.summary(params, opt_state, x, y)
+        >>> summary.flops_after < summary.flops_before
+        True
+    """
+
+    def wrap(fn):
+        return CompiledFunction(fn, scheme, passes, backend, donate, target_options)
+
+    if step is None:
+        return wrap
+    return wrap(step)

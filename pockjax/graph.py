@@ -1,0 +1,276 @@
+"""TrainGraph: a whole train step (forward, backward, optimizer) as one jaxpr.
+
+:func:`trace_step` traces ``step(params, opt_state, *batch) -> (params,
+opt_state, *aux)`` once into a closed jaxpr over flat leaves, and records for
+every input leaf its role (``param``, ``opt_state``, ``batch``, or
+``model_state`` for non-parameter model variables), its dotted path, and for
+every output leaf which input it is the new value of. Parameter gradients are
+marked with ``pockjax_grad_tag`` equations (see :mod:`pockjax.tags`), so passes
+can find them wherever autodiff put them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from pockjax import _compat as C
+from pockjax import tags
+from pockjax.errors import StepSignatureError
+from pockjax.paths import leaf_paths
+from pockjax.paths import keypath_to_parts
+
+PARAM = "param"
+OPT_STATE = "opt_state"
+BATCH = "batch"
+MODEL_STATE = "model_state"
+AUX = "aux"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainGraph:
+    """A traced train step and what every input and output leaf is.
+
+    Attributes:
+      closed_jaxpr: flat inputs -> flat outputs of the whole step.
+      in_tree: pytree def of the step's argument tuple.
+      out_tree: pytree def of the step's output tuple.
+      in_roles / in_paths: per flat input, its role and dotted path.
+      out_roles / out_paths: per flat output, its role and dotted path.
+      out_to_in: per flat output, the index of the input it is the new value
+        of (params, optimizer state and model state), else ``None``.
+      param_of: per flat input, for optimizer-state leaves that mirror a
+        parameter (Adam's ``mu``/``nu``...), the index of that parameter input.
+      meta: free-form facts passes record (the scheme, pass history, ...).
+    """
+
+    closed_jaxpr: C.ClosedJaxpr
+    in_tree: Any
+    out_tree: Any
+    in_roles: tuple[str, ...]
+    in_paths: tuple[str, ...]
+    out_roles: tuple[str, ...]
+    out_paths: tuple[str, ...]
+    out_to_in: tuple[int | None, ...]
+    param_of: tuple[int | None, ...]
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def jaxpr(self) -> C.Jaxpr:
+        return self.closed_jaxpr.jaxpr
+
+    @property
+    def in_avals(self) -> list:
+        return [v.aval for v in self.jaxpr.invars]
+
+    @property
+    def out_avals(self) -> list:
+        return [v.aval for v in self.jaxpr.outvars]
+
+    def inputs_with_role(self, role: str) -> list[int]:
+        return [i for i, r in enumerate(self.in_roles) if r == role]
+
+    def replace(self, **changes) -> "TrainGraph":
+        """A copy with some fields changed (graphs are immutable)."""
+        return dataclasses.replace(self, **changes)
+
+    def with_jaxpr(self, closed_jaxpr: C.ClosedJaxpr, **changes) -> "TrainGraph":
+        return dataclasses.replace(self, closed_jaxpr=closed_jaxpr, **changes)
+
+    def __str__(self) -> str:
+        n_params = len(self.inputs_with_role(PARAM))
+        return (
+            f"TrainGraph({len(self.jaxpr.eqns)} eqns, {n_params} param leaves, "
+            f"{len(self.in_roles)} inputs, {len(self.out_roles)} outputs)"
+        )
+
+
+def _optstate_param_map(opt_paths: Sequence[str], opt_shapes, param_paths, param_shapes) -> list[int | None]:
+    """For each optimizer-state leaf, the parameter it mirrors (suffix path + shape)."""
+    by_parts = {}
+    for j, (p, s) in enumerate(zip(param_paths, param_shapes)):
+        by_parts.setdefault(tuple(p.split(".")) if p else (), []).append((j, s))
+    out = []
+    for path, shape in zip(opt_paths, opt_shapes):
+        parts = tuple(path.split(".")) if path else ()
+        found = None
+        # longest param path that is a suffix of this state path
+        for cut in range(0, len(parts) + 1):
+            for j, s in by_parts.get(parts[cut:], ()):
+                if tuple(s) == tuple(shape):
+                    found = j
+                    break
+            if found is not None:
+                break
+        out.append(found)
+    return out
+
+
+def _avals(leaves):
+    return [jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)) for x in leaves]
+
+
+def trace_step(
+    step: Callable,
+    args: Sequence[Any],
+    *,
+    roles: Sequence[str] | None = None,
+    paths: Sequence[str] | None = None,
+    n_state_args: int = 2,
+    kwargs: dict | None = None,
+) -> TrainGraph:
+    """Trace ``step(params, opt_state, *batch)`` into a :class:`TrainGraph`.
+
+    Args:
+      step: the train step. It must return ``(new_params, new_opt_state, *aux)``
+        with ``new_params``/``new_opt_state`` shaped like its first two arguments.
+      args: example arguments: arrays or ``jax.ShapeDtypeStruct``.
+      roles: per flat input leaf roles, to override the default (params,
+        optimizer state, then batch).
+      paths: per flat input leaf dotted paths, to override the default.
+      n_state_args: how many leading arguments the step returns updated
+        (2: params and optimizer state).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, pockjax
+        >>> tx = optax.sgd(0.1)
+        >>> def step(params, opt_state, x):
+        ...     loss, g = jax.value_and_grad(lambda p: jnp.sum((x @ p["w"]) ** 2))(params)
+        ...     updates, opt_state = tx.update(g, opt_state, params)
+        ...     return optax.apply_updates(params, updates), opt_state, loss
+        >>> params = {"w": jnp.ones((3, 2))}
+        >>> g = pockjax.trace_step(step, (params, tx.init(params), jnp.ones((4, 3))))
+        >>> g.in_roles, g.in_paths[0], g.out_to_in
+        (('param', 'batch'), 'w', (0, None))
+    """
+    kwargs = kwargs or {}
+    args = tuple(args)
+    if len(args) < n_state_args:
+        raise StepSignatureError(
+            f"the step takes (params, opt_state, *batch); got {len(args)} positional argument(s)"
+        )
+    flat_args, in_tree = jax.tree_util.tree_flatten(args)
+    in_roles: list[str] = []
+    in_paths: list[str] = []
+    per_arg_counts = []
+    default_roles = [PARAM, OPT_STATE] + [BATCH] * (len(args) - 2)
+    for a, (arg, role) in enumerate(zip(args, default_roles)):
+        n = len(jax.tree.leaves(arg))
+        per_arg_counts.append(n)
+        in_roles += [role] * n
+        in_paths += leaf_paths(arg, prefix="" if role == PARAM else f"{role}" if a < 2 else f"batch{a - 2}")
+    if roles is not None:
+        if len(roles) != len(flat_args):
+            raise ValueError(f"roles has {len(roles)} entries for {len(flat_args)} input leaves")
+        in_roles = list(roles)
+    if paths is not None:
+        if len(paths) != len(flat_args):
+            raise ValueError(f"paths has {len(paths)} entries for {len(flat_args)} input leaves")
+        in_paths = list(paths)
+    avals = _avals(flat_args)
+    param_idx = [i for i, r in enumerate(in_roles) if r == PARAM]
+
+    out_store = {}
+
+    def flat_step(*leaves):
+        leaves = list(leaves)
+        # A parameter's gradient is tagged where autodiff produces it (see _compat).
+        is_param = set(param_idx)
+        tracer_list = [x if i in is_param else None for i, x in enumerate(leaves)]
+        with C.tagging_params(tracer_list, tags.tag_param), jax.disable_jit():
+            out = step(*jax.tree_util.tree_unflatten(in_tree, leaves), **kwargs)
+        out_store["out"] = out
+        flat_out, out_tree = jax.tree_util.tree_flatten(out)
+        out_store["tree"] = out_tree
+        return flat_out
+
+    closed = jax.make_jaxpr(flat_step)(*avals)
+    out = out_store["out"]
+    out_tree = out_store["tree"]
+    _check_outputs(out, args, n_state_args)
+
+    out_roles: list[str] = []
+    out_paths: list[str] = []
+    out_to_in: list[int | None] = []
+    offset = 0
+    for a, arg_out in enumerate(out):
+        n = len(jax.tree.leaves(arg_out))
+        if a < n_state_args:
+            in_start = sum(per_arg_counts[:a])
+            out_to_in += list(range(in_start, in_start + n))
+            out_roles += [in_roles[in_start + k] for k in range(n)]
+            out_paths += [in_paths[in_start + k] for k in range(n)]
+        else:
+            out_to_in += [None] * n
+            out_roles += [AUX] * n
+            out_paths += leaf_paths(arg_out, prefix=f"aux{a - n_state_args}")
+        offset += n
+
+    shapes = [a.shape for a in avals]
+    opt_idx = [i for i, r in enumerate(in_roles) if r == OPT_STATE]
+    mapping = _optstate_param_map(
+        [in_paths[i].split(".", 1)[1] if "." in in_paths[i] else "" for i in opt_idx],
+        [shapes[i] for i in opt_idx],
+        [in_paths[i] for i in param_idx],
+        [shapes[i] for i in param_idx],
+    )
+    param_of: list[int | None] = [None] * len(in_roles)
+    for i, m in zip(opt_idx, mapping):
+        param_of[i] = None if m is None else param_idx[m]
+
+    return TrainGraph(
+        closed_jaxpr=closed,
+        in_tree=in_tree,
+        out_tree=out_tree,
+        in_roles=tuple(in_roles),
+        in_paths=tuple(in_paths),
+        out_roles=tuple(out_roles),
+        out_paths=tuple(out_paths),
+        out_to_in=tuple(out_to_in),
+        param_of=tuple(param_of),
+    )
+
+
+def _describe_tree(tree) -> str:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return f"{treedef} with shapes {[tuple(np.shape(x)) for x in leaves][:6]}{'...' if len(leaves) > 6 else ''}"
+
+
+def _check_outputs(out, args, n_state_args: int) -> None:
+    names = ["params", "opt_state"]
+    if not isinstance(out, (tuple, list)) or len(out) < n_state_args:
+        raise StepSignatureError(
+            "the train step must return (new_params, new_opt_state, *aux); "
+            f"it returned {type(out).__name__}"
+            + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else "")
+        )
+    for a in range(n_state_args):
+        name = names[a] if a < 2 else f"argument {a}"
+        in_leaves, in_def = jax.tree_util.tree_flatten(args[a])
+        out_leaves, out_def = jax.tree_util.tree_flatten(out[a])
+        if in_def != out_def:
+            raise StepSignatureError(
+                f"output {a} of the step must have the structure of its input {name}:\n"
+                f"  input  {name}: {_describe_tree(args[a])}\n"
+                f"  output {a}: {_describe_tree(out[a])}\n"
+                "Return (new_params, new_opt_state, *aux) in the order of the arguments."
+            )
+        for x, y, path in zip(in_leaves, out_leaves, leaf_paths(args[a])):
+            xs, ys = np.shape(x), np.shape(y)
+            xd, yd = jax.dtypes.result_type(x), jax.dtypes.result_type(y)
+            if xs != ys or xd != yd:
+                raise StepSignatureError(
+                    f"{name} leaf {path!r}: the step returns shape {ys} {yd} for an input of "
+                    f"shape {xs} {xd}; the new value must keep the old shape and dtype"
+                )
+
+
+def param_paths_of(graph: TrainGraph) -> dict[int, str]:
+    """``{input index: dotted path}`` of the parameter inputs."""
+    return {i: graph.in_paths[i] for i in graph.inputs_with_role(PARAM)}
+
+
+__all__ = ["TrainGraph", "trace_step", "PARAM", "OPT_STATE", "BATCH", "MODEL_STATE", "AUX", "keypath_to_parts"]

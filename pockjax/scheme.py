@@ -1,0 +1,443 @@
+"""Sparse update schemes: which parameters (and which channels) are trained.
+
+A scheme is declarative: an ordered list of ``(pattern, rule)`` pairs over
+dotted parameter paths plus a default rule. The first pattern that matches a
+path decides its rule. Patterns are globs over path segments:
+
+* ``*`` matches within one segment (``layers.*.attn.wq.kernel``),
+* ``**`` matches any number of whole segments, including none
+  (``**.bias`` matches ``bias`` and ``layers.0.mlp.bias``),
+* ``?`` and ``[abc]`` as in shell globs.
+
+Rules are ``"full"``, ``"frozen"`` or :func:`channels`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+from typing import Any, Iterable, Mapping, Sequence, Union
+
+import numpy as np
+
+from pockjax.errors import (
+    ChannelRuleError,
+    SchemeError,
+    UnknownRuleError,
+    UnmatchedPatternError,
+)
+from pockjax.paths import leaf_paths
+
+
+@dataclasses.dataclass(frozen=True)
+class Full:
+    """Train every entry of the tensor."""
+
+    def __str__(self) -> str:
+        return "full"
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    """Train nothing: the tensor keeps its value, its gradient is never computed."""
+
+    def __str__(self) -> str:
+        return "frozen"
+
+
+@dataclasses.dataclass(frozen=True)
+class Channels:
+    """Train a subset of channels along one axis (PockEngine's sparse tensor BP).
+
+    Exactly one of ``count`` (an int k, or a fraction in (0, 1)) and ``indices``
+    is set. Build it with :func:`channels`.
+    """
+
+    count: Union[int, float, None] = None
+    axis: int = -1
+    indices: Union[tuple[int, ...], None] = None
+
+    def resolve(self, path: str, shape: Sequence[int]) -> "ChannelSelect":
+        """The concrete channel selection for a tensor of ``shape``."""
+        if len(shape) == 0:
+            raise ChannelRuleError(f"{path}: a channel rule needs a tensor with at least one axis, got a scalar")
+        ndim = len(shape)
+        if not -ndim <= self.axis < ndim:
+            raise ChannelRuleError(
+                f"{path}: channel axis {self.axis} is out of range for shape {tuple(shape)}"
+            )
+        axis = self.axis % ndim
+        size = int(shape[axis])
+        if self.indices is not None:
+            idx = tuple(sorted(set(int(i) for i in self.indices)))
+            bad = [i for i in idx if not 0 <= i < size]
+            if bad:
+                raise ChannelRuleError(
+                    f"{path}: channel indices {bad} are outside axis {axis} of size {size}"
+                )
+            if not idx:
+                raise ChannelRuleError(f"{path}: empty channel index set; use 'frozen' instead")
+            return ChannelSelect(axis=axis, size=size, indices=idx)
+        if isinstance(self.count, float):
+            if not 0 < self.count <= 1:
+                raise ChannelRuleError(f"{path}: channel fraction must be in (0, 1], got {self.count}")
+            k = max(1, int(round(self.count * size)))
+        else:
+            k = int(self.count)
+        if k < 1:
+            raise ChannelRuleError(f"{path}: channel count must be at least 1, got {k}")
+        if k > size:
+            raise ChannelRuleError(
+                f"{path}: channel count {k} is larger than axis {axis} of shape {tuple(shape)} "
+                f"(size {size}); use at most {size}, or a fraction in (0, 1]"
+            )
+        return ChannelSelect(axis=axis, size=size, indices=tuple(range(k)))
+
+    def __str__(self) -> str:
+        what = f"indices={list(self.indices)}" if self.indices is not None else f"{self.count}"
+        return f"channels({what}, axis={self.axis})"
+
+
+Rule = Union[Full, Frozen, Channels]
+RuleLike = Union[Rule, str]
+
+
+def channels(k: Union[int, float, None] = None, axis: int = -1, *, indices: Iterable[int] | None = None) -> Channels:
+    """A rule that trains only some channels of a tensor along ``axis``.
+
+    Args:
+      k: the number of leading channels to train (int), or the fraction of them
+        (float in (0, 1]).
+      axis: the channel axis; ``-1`` is the output axis of a Flax ``Dense`` kernel.
+      indices: an explicit set of channels to train instead of the first ``k``.
+
+    Example:
+        >>> import pockjax
+        >>> pockjax.channels(16)
+        Channels(count=16, axis=-1, indices=None)
+        >>> pockjax.channels(0.25, axis=0).resolve("w", (8, 3)).indices
+        (0, 1)
+    """
+    if (k is None) == (indices is None):
+        raise SchemeError("channels() takes exactly one of k (count or fraction) and indices=")
+    if indices is not None:
+        return Channels(count=None, axis=axis, indices=tuple(int(i) for i in indices))
+    if isinstance(k, bool) or not isinstance(k, (int, float, np.integer, np.floating)):
+        raise SchemeError(f"channels(k): k must be an int or a float fraction, got {k!r}")
+    if isinstance(k, (float, np.floating)) and not 0 < float(k) <= 1:
+        if float(k).is_integer():
+            k = int(k)
+        else:
+            raise SchemeError(f"channels(k): a fractional k must be in (0, 1], got {k}")
+    return Channels(count=k if isinstance(k, float) else int(k), axis=axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelSelect:
+    """A resolved channel selection: ``indices`` of ``axis`` (length ``size``)."""
+
+    axis: int
+    size: int
+    indices: tuple[int, ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.indices)
+
+    @property
+    def is_contiguous(self) -> bool:
+        return self.indices == tuple(range(self.indices[0], self.indices[0] + len(self.indices)))
+
+    @property
+    def start(self) -> int:
+        return self.indices[0]
+
+    def on_axis(self, axis: int) -> "ChannelSelect":
+        """The same selection applied on another axis (for pushing through ops)."""
+        return dataclasses.replace(self, axis=axis)
+
+
+_RULE_NAMES = {"full": Full(), "frozen": Frozen()}
+
+
+def as_rule(rule: RuleLike) -> Rule:
+    """Turn ``"full"`` / ``"frozen"`` / a rule object into a rule object."""
+    if isinstance(rule, (Full, Frozen, Channels)):
+        return rule
+    if isinstance(rule, str):
+        key = rule.strip().lower()
+        if key in _RULE_NAMES:
+            return _RULE_NAMES[key]
+        m = re.fullmatch(r"channels\(\s*([0-9.]+)\s*(?:,\s*(?:axis\s*=\s*)?(-?\d+)\s*)?\)", key)
+        if m:
+            k = float(m.group(1)) if "." in m.group(1) else int(m.group(1))
+            return channels(k, axis=int(m.group(2)) if m.group(2) else -1)
+        close = difflib.get_close_matches(key, list(_RULE_NAMES) + ["channels(k, axis=-1)"], n=2)
+        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise UnknownRuleError(
+            f"unknown rule {rule!r}: use 'full', 'frozen' or pockjax.channels(k, axis=-1).{hint}"
+        )
+    raise UnknownRuleError(
+        f"unknown rule {rule!r} of type {type(rule).__name__}: use 'full', 'frozen' or pockjax.channels(...)"
+    )
+
+
+def _glob_to_regex(pattern: str) -> re.Pattern:
+    segments = pattern.split(".")
+    out = []
+    for i, seg in enumerate(segments):
+        last = i == len(segments) - 1
+        if seg == "**":
+            out.append(".*" if last else r"(?:[^.]+\.)*")
+            continue
+        piece = ""
+        j = 0
+        while j < len(seg):
+            c = seg[j]
+            if c == "*":
+                piece += "[^.]*"
+            elif c == "?":
+                piece += "[^.]"
+            elif c == "[":
+                end = seg.find("]", j + 1)
+                if end == -1:
+                    piece += re.escape(c)
+                else:
+                    body = seg[j + 1 : end]
+                    if body.startswith("!"):
+                        body = "^" + body[1:]
+                    piece += f"[{body}]"
+                    j = end
+            else:
+                piece += re.escape(c)
+            j += 1
+        out.append(piece + ("" if last else r"\."))
+    return re.compile("".join(out) + r"\Z")
+
+
+def glob_match(pattern: str, path: str) -> bool:
+    """Whether dotted ``path`` matches the segment glob ``pattern``.
+
+    Example:
+        >>> glob_match("layers.*.attn.*", "layers.3.attn.wq")
+        True
+        >>> glob_match("**.bias", "bias"), glob_match("**.bias", "mlp.0.bias")
+        (True, True)
+        >>> glob_match("layers.1*.w", "layers.12.w"), glob_match("layers.*", "layers.1.w")
+        (True, False)
+    """
+    return _glob_to_regex(pattern).match(path) is not None
+
+
+class UpdateScheme:
+    """Which parameters, and which of their channels, a fine-tuning step updates.
+
+    Args:
+      rules: ``{pattern: rule}`` (insertion order kept) or a sequence of
+        ``(pattern, rule)`` pairs. The first matching pattern wins.
+      default: the rule for paths no pattern matches (``"frozen"`` unless said).
+      name: an optional label shown by :meth:`describe`.
+
+    Example:
+        >>> import numpy as np, pockjax
+        >>> params = {"dense1": {"kernel": np.zeros((4, 8)), "bias": np.zeros(8)},
+        ...           "dense2": {"kernel": np.zeros((8, 2)), "bias": np.zeros(2)}}
+        >>> scheme = pockjax.UpdateScheme({"dense2.*": "full", "dense1.kernel": pockjax.channels(2)})
+        >>> print(scheme.describe(params))  # doctest: +NORMALIZE_WHITESPACE
+        parameter      shape   rule                     trainable  total
+        dense1.bias    (8,)    frozen                           0      8
+        dense1.kernel  (4, 8)  channels(2, axis=-1)             8     32
+        dense2.bias    (2,)    full                             2      2
+        dense2.kernel  (8, 2)  full                            16     16
+        total                                                  26     58  (44.8%)
+    """
+
+    def __init__(
+        self,
+        rules: Union[Mapping[str, RuleLike], Sequence[tuple[str, RuleLike]], None] = None,
+        default: RuleLike = "frozen",
+        name: str | None = None,
+    ):
+        items = list(rules.items()) if isinstance(rules, Mapping) else list(rules or [])
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise SchemeError(f"scheme rules must be (pattern, rule) pairs, got {item!r}")
+        self.rules: tuple[tuple[str, Rule], ...] = tuple((p, as_rule(r)) for p, r in items)
+        self.default: Rule = as_rule(default)
+        self.name = name
+        self._compiled = tuple((_glob_to_regex(p), p, r) for p, r in self.rules)
+
+    # -- constructors for the common schemes ---------------------------------
+    @classmethod
+    def full(cls) -> "UpdateScheme":
+        """Every parameter trained (full fine-tuning)."""
+        return cls({}, default="full", name="full")
+
+    @classmethod
+    def bias_only(cls) -> "UpdateScheme":
+        """Only biases (PockEngine's bias-only update for CNNs)."""
+        return cls({"**.bias": "full"}, name="bias-only")
+
+    @classmethod
+    def norm_only(cls) -> "UpdateScheme":
+        """Only normalisation scales and biases (for LLaMA: RMSNorm scales)."""
+        return cls({"**.*norm*.scale": "full", "**.*norm*.bias": "full"}, name="norm-only")
+
+    # -- resolution ------------------------------------------------------------
+    def rule_for(self, path: str) -> tuple[Rule, str | None]:
+        """The rule for one path and the pattern that chose it (None: default)."""
+        for regex, pattern, rule in self._compiled:
+            if regex.match(path):
+                return rule, pattern
+        return self.default, None
+
+    def resolve(self, paths: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[Union[Full, Frozen, ChannelSelect]]:
+        """Resolve the rule of every leaf; raises on patterns matching nothing.
+
+        Returns, per path, ``Full()``, ``Frozen()`` or a :class:`ChannelSelect`.
+        """
+        used = set()
+        out = []
+        for path, shape in zip(paths, shapes):
+            rule, pattern = self.rule_for(path)
+            if pattern is not None:
+                used.add(pattern)
+            if isinstance(rule, Channels):
+                sel = rule.resolve(path, shape)
+                out.append(Full() if sel.count == sel.size else sel)
+            else:
+                out.append(rule)
+        unmatched = [p for p, _ in self.rules if p not in used]
+        if unmatched:
+            lines = []
+            for p in unmatched:
+                close = difflib.get_close_matches(p, list(paths), n=5, cutoff=0.3)
+                lines.append(f"  {p!r} matches no parameter; closest paths: {close or list(paths)[:5]}")
+            raise UnmatchedPatternError(
+                "scheme patterns that match nothing:\n" + "\n".join(lines)
+                + "\n(`*` matches within one path segment, `**` across segments)"
+            )
+        return out
+
+    def resolve_tree(self, params: Any) -> list[Union[Full, Frozen, ChannelSelect]]:
+        """:meth:`resolve` over the leaves of a params pytree."""
+        import jax
+
+        leaves = jax.tree.leaves(params)
+        return self.resolve(leaf_paths(params), [np.shape(x) for x in leaves])
+
+    def describe(self, params: Any) -> "SchemeDescription":
+        """A table of each parameter, its rule, and trainable elements, with totals."""
+        import jax
+
+        leaves = jax.tree.leaves(params)
+        paths = leaf_paths(params)
+        shapes = [tuple(np.shape(x)) for x in leaves]
+        resolved = self.resolve(paths, shapes)
+        rows = []
+        for path, shape, res in zip(paths, shapes, resolved):
+            total = int(math.prod(shape))
+            rule, _ = self.rule_for(path)
+            if isinstance(res, Full):
+                trainable = total
+            elif isinstance(res, Frozen):
+                trainable = 0
+            else:
+                trainable = total // res.size * res.count
+            rows.append(DescriptionRow(path, shape, str(rule), trainable, total))
+        return SchemeDescription(tuple(rows), self.name)
+
+    def to_dict(self) -> dict:
+        """A JSON-friendly form (what scheme files hold)."""
+
+        def enc(rule: Rule):
+            if isinstance(rule, Channels):
+                d = {"channels": rule.count if rule.indices is None else list(rule.indices), "axis": rule.axis}
+                if rule.indices is not None:
+                    d = {"indices": list(rule.indices), "axis": rule.axis}
+                return d
+            return str(rule)
+
+        return {
+            "name": self.name,
+            "default": enc(self.default),
+            "rules": [[p, enc(r)] for p, r in self.rules],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "UpdateScheme":
+        """Inverse of :meth:`to_dict`.
+
+        Example:
+            >>> import pockjax
+            >>> s = pockjax.UpdateScheme({"a.*": pockjax.channels(4)}, default="full")
+            >>> pockjax.UpdateScheme.from_dict(s.to_dict()) == s
+            True
+        """
+
+        def dec(rule):
+            if isinstance(rule, Mapping):
+                if "indices" in rule:
+                    return channels(indices=rule["indices"], axis=rule.get("axis", -1))
+                if "channels" in rule:
+                    return channels(rule["channels"], axis=rule.get("axis", -1))
+                raise SchemeError(f"cannot read rule {dict(rule)!r}: expected 'channels' or 'indices'")
+            return rule
+
+        if not isinstance(data, Mapping) or "rules" not in data:
+            raise SchemeError("a scheme file holds an object with 'rules' (and optional 'default', 'name')")
+        return cls([(p, dec(r)) for p, r in data["rules"]], default=dec(data.get("default", "frozen")), name=data.get("name"))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, UpdateScheme) and (self.rules, self.default) == (other.rules, other.default)
+
+    def __hash__(self) -> int:
+        return hash((self.rules, self.default))
+
+    def __repr__(self) -> str:
+        rules = ", ".join(f"{p!r}: {r}" for p, r in self.rules)
+        return f"UpdateScheme({{{rules}}}, default={self.default})"
+
+
+@dataclasses.dataclass(frozen=True)
+class DescriptionRow:
+    path: str
+    shape: tuple[int, ...]
+    rule: str
+    trainable: int
+    total: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SchemeDescription:
+    """What :meth:`UpdateScheme.describe` returns; ``str()`` gives the table."""
+
+    rows: tuple[DescriptionRow, ...]
+    name: str | None = None
+
+    @property
+    def trainable(self) -> int:
+        return sum(r.trainable for r in self.rows)
+
+    @property
+    def total(self) -> int:
+        return sum(r.total for r in self.rows)
+
+    def __str__(self) -> str:
+        header = ("parameter", "shape", "rule", "trainable", "total")
+        body = [(r.path, str(r.shape), r.rule, str(r.trainable), str(r.total)) for r in self.rows]
+        pct = 100.0 * self.trainable / max(self.total, 1)
+        foot = ("total", "", "", str(self.trainable), str(self.total))
+        widths = [max(len(row[i]) for row in [header, *body, foot]) for i in range(5)]
+
+        def fmt(row):
+            left = "  ".join(row[i].ljust(widths[i]) for i in range(3))
+            right = "  ".join(row[i].rjust(widths[i]) for i in range(3, 5))
+            return f"{left}  {right}".rstrip()
+
+        lines = [fmt(header)] + [fmt(b) for b in body] + [fmt(foot) + f"  ({pct:.1f}%)"]
+        return "\n".join(lines)
+
+    __repr__ = __str__

@@ -1,0 +1,103 @@
+"""Dead-code elimination over a whole train step, nested jaxprs included.
+
+After :func:`pockjax.sparse_grad` zeroes the gradients of frozen parameters,
+the weight-gradient ops that produced them, and every activation-gradient op
+that fed only those, have no live consumer: this pass removes them, so the
+backward pass stops at the earliest trained layer by itself.
+
+Rules live in ``DCE_RULES`` (primitive name -> ``rule(used_outputs, eqn) ->
+(used_inputs, new_eqn | None)``). The default rule drops an effect-free
+equation whose outputs are all unused and keeps all inputs of one that is
+used. Primitives with nested jaxprs use JAX's own DCE rule for them (which
+prunes inside ``jit``, ``scan``, ``cond``, ``remat``, custom derivatives);
+``while`` loops are kept whole when any output is used. A nested primitive
+with no rule is an error that names it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from pockjax import _compat as C
+from pockjax.errors import UnsupportedPrimitiveError
+from pockjax.graph import TrainGraph
+
+DceRule = Callable[[list, C.JaxprEqn], tuple]
+DCE_RULES: dict[str, DceRule] = {}
+
+
+def _default_rule(used_outputs, eqn):
+    if not any(used_outputs) and not eqn.effects:
+        return [False] * len(eqn.invars), None
+    return [True] * len(eqn.invars), eqn
+
+
+def _keep_whole(used_outputs, eqn):
+    return _default_rule(used_outputs, eqn)
+
+
+def _jax_rule(name: str) -> DceRule:
+    def rule(used_outputs, eqn):
+        if not any(used_outputs) and not eqn.effects:
+            return [False] * len(eqn.invars), None
+        return C.dce_rules[eqn.primitive](used_outputs, eqn)
+
+    rule.__name__ = f"jax_dce_rule_{name}"
+    return rule
+
+
+for _prim in list(C.dce_rules):
+    DCE_RULES[_prim.name] = _jax_rule(_prim.name)
+DCE_RULES["while"] = _keep_whole
+
+
+def dce_jaxpr(jaxpr: C.Jaxpr, used_outputs: list[bool] | None = None) -> tuple[C.Jaxpr, list[bool]]:
+    """DCE of one jaxpr; returns the new jaxpr (all inputs kept) and which inputs are used."""
+    used_outputs = [True] * len(jaxpr.outvars) if used_outputs is None else list(used_outputs)
+    live = set()
+    for v, used in zip(jaxpr.outvars, used_outputs):
+        if used and not isinstance(v, C.Literal):
+            live.add(v)
+    new_eqns = []
+    for eqn in reversed(jaxpr.eqns):
+        used_outs = [not isinstance(v, C.DropVar) and v in live for v in eqn.outvars]
+        name = eqn.primitive.name
+        rule = DCE_RULES.get(name)
+        if rule is None:
+            if C.subjaxprs_of(eqn):
+                raise UnsupportedPrimitiveError(
+                    f"dce has no rule for primitive '{name}', which holds nested jaxprs; "
+                    f"register one in pockjax.transforms.dce.DCE_RULES"
+                )
+            rule = _default_rule
+        used_ins, new_eqn = rule(used_outs, eqn)
+        if new_eqn is None:
+            continue
+        new_eqns.append(new_eqn)
+        for v, used in zip(new_eqn.invars, used_ins):
+            if used and not isinstance(v, C.Literal):
+                live.add(v)
+    new_eqns.reverse()
+    used_inputs = [v in live for v in jaxpr.invars]
+    return jaxpr.replace(eqns=new_eqns), used_inputs
+
+
+def dce(graph: TrainGraph) -> TrainGraph:
+    """Remove every equation whose result no output needs (a pass).
+
+    Inputs are kept, so the step's signature does not change.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, pockjax
+        >>> def step(params, opt_state, x):
+        ...     unused = jnp.sin(x) * 2.0
+        ...     return params, opt_state, x.sum()
+        >>> g = pockjax.trace_step(step, ({"w": jnp.ones(3)}, (), jnp.ones(3)))
+        >>> len(g.jaxpr.eqns), len(pockjax.dce(g).jaxpr.eqns)
+        (3, 1)
+    """
+    new_jaxpr, _ = dce_jaxpr(graph.jaxpr)
+    C.check_jaxpr(new_jaxpr)
+    meta = dict(graph.meta)
+    meta["passes"] = list(meta.get("passes", [])) + ["dce"]
+    return graph.replace(closed_jaxpr=C.ClosedJaxpr(new_jaxpr, graph.closed_jaxpr.consts), meta=meta)

@@ -1,0 +1,419 @@
+"""``sparse_grad``: train only what a scheme says, and compute only what that needs.
+
+The pass rewrites a :class:`~pockjax.graph.TrainGraph` so that
+
+* a frozen parameter's new value is its old value and its optimizer state is
+  untouched; its gradient (the ``pockjax_grad_tag`` equation autodiff left
+  for it) becomes zero, so every backward op that fed only that gradient is
+  dead code for :func:`pockjax.dce`;
+* a channel-ruled parameter's gradient is ``pad(g[sel])``: the weight-gradient
+  op computes only the selected channels (see :mod:`pockjax.transforms.slicing`),
+  the optimizer runs on the selected slice of parameter, gradient and state,
+  and the result is written back into the old tensor.
+
+This is the reference semantics: the full step run with the gradient of every
+frozen entry set to zero, after which every frozen entry of params and
+optimizer state is put back to its old value.
+
+How: a backward *demand* analysis decides, for every value, whether it is
+needed whole or only as a channel slice; then the jaxpr is re-traced, each
+equation computing the form that is needed. Zero gradients are propagated
+symbolically through the ops in ``ZERO_RULES`` (so, for example, a global
+gradient norm does not square and sum the zeros of frozen parameters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pockjax import _compat as C
+from pockjax import tags
+from pockjax.errors import PockjaxError
+from pockjax.graph import OPT_STATE, PARAM, TrainGraph
+from pockjax.scheme import ChannelSelect, Frozen, Full, UpdateScheme
+from pockjax.transforms import _interp, slicing
+from pockjax.transforms.slicing import PUSH_RULES
+
+
+# -- symbolic zeros ---------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ZeroValue:
+    """A value known to be all zeros (a frozen parameter's gradient)."""
+
+    shape: tuple
+    dtype: Any
+
+    def materialize(self):
+        return jnp.zeros(self.shape, self.dtype)
+
+
+def _zero_like_out(eqn):
+    aval = eqn.outvars[0].aval
+    return [ZeroValue(tuple(aval.shape), aval.dtype)]
+
+
+def _zero_if_any(eqn, vals):
+    return _zero_like_out(eqn) if any(isinstance(v, ZeroValue) for v in vals) else None
+
+
+def _zero_if_all(eqn, vals):
+    return _zero_like_out(eqn) if all(isinstance(v, ZeroValue) for v in vals) else None
+
+
+def _zero_add(eqn, vals):
+    a, b = vals
+    out = tuple(eqn.outvars[0].aval.shape)
+    za, zb = isinstance(a, ZeroValue), isinstance(b, ZeroValue)
+    if za and zb:
+        return _zero_like_out(eqn)
+    other = b if za else a if zb else None
+    if other is not None and tuple(np.shape(other)) == out:
+        if eqn.primitive.name == "sub" and za:
+            return [jax.lax.neg(other)]
+        return [jax.lax.convert_element_type(other, eqn.outvars[0].aval.dtype)]
+    return None
+
+
+# rule(eqn, invals) -> outputs, or None to materialize zeros and bind normally.
+ZERO_RULES = {
+    "add": _zero_add,
+    "add_any": _zero_add,
+    "sub": _zero_add,
+    "mul": _zero_if_any,
+    "dot_general": _zero_if_any,
+    "div": lambda eqn, vals: _zero_like_out(eqn) if isinstance(vals[0], ZeroValue) else None,
+    "integer_pow": lambda eqn, vals: _zero_like_out(eqn) if eqn.params["y"] > 0 else None,
+}
+for _name in (
+    "neg", "square", "abs", "sqrt", "sign", "convert_element_type", "reduce_sum",
+    "reduce_max", "reduce_min", "transpose", "reshape", "broadcast_in_dim", "squeeze",
+    "expand_dims", "copy", "copy_p", "slice", "reduce_precision", "real", "imag",
+    "pockjax_param_tag", "pockjax_tangent_tag", "pockjax_grad_tag",
+):
+    ZERO_RULES[_name] = _zero_if_all
+ZERO_RULES["select_n"] = lambda eqn, vals: _zero_if_all(eqn, vals[1:])
+
+
+def _materialize(x):
+    return x.materialize() if isinstance(x, ZeroValue) else x
+
+
+# -- the pass ---------------------------------------------------------------
+RuleOf = Any  # Full | Frozen | ChannelSelect
+
+
+def resolve_rules(graph: TrainGraph, scheme: UpdateScheme) -> dict[int, RuleOf]:
+    """``{param input index: Full() | Frozen() | ChannelSelect}`` for a graph."""
+    idx = graph.inputs_with_role(PARAM)
+    avals = graph.in_avals
+    resolved = scheme.resolve([graph.in_paths[i] for i in idx], [avals[i].shape for i in idx])
+    return dict(zip(idx, resolved))
+
+
+def _grad_tag_rule(rule: RuleOf, x):
+    """The value of a grad tag under ``rule`` given its input (whole form)."""
+    if isinstance(rule, Frozen):
+        return ZeroValue(tuple(np.shape(x)), x.dtype)
+    if isinstance(rule, ChannelSelect):
+        if isinstance(x, ZeroValue):
+            return x
+        return slicing.pad(rule, slicing.take(rule, x), x.shape)
+    return x
+
+
+def _nested_rule(rules: dict[int, RuleOf]):
+    """Rule used inside nested jaxprs: apply grad-tag rules, drop other tags."""
+
+    def rule(eqn, invals):
+        name = eqn.primitive.name
+        if eqn.primitive is tags.grad_tag_p:
+            sel = rules.get(eqn.params["index"], Full())
+            if isinstance(sel, ChannelSelect) and not sel.is_contiguous:
+                raise PockjaxError(
+                    "a channel rule with an explicit index set applies to a gradient computed "
+                    "inside a nested jaxpr (scan/cond/...); use a count k (first k channels) there"
+                )
+            return [_materialize(_grad_tag_rule(sel, invals[0]))]
+        if name in ("pockjax_param_tag", "pockjax_tangent_tag"):
+            return [invals[0]]
+        return _interp.rewrite_nested(eqn, invals, rule, _is_tag)
+
+    return rule
+
+
+def _is_tag(eqn) -> bool:
+    return eqn.primitive in tags.TAG_PRIMITIVES
+
+
+def sparse_grad(scheme: UpdateScheme, *, sparse_opt_state: bool = False):
+    """The sparse-update pass for ``scheme``: a function ``TrainGraph -> TrainGraph``.
+
+    Args:
+      scheme: which parameters / channels are trained.
+      sparse_opt_state: the optimizer state inputs hold only trainable entries
+        (frozen parameters' state dropped, channel-ruled state sliced), as made
+        by :func:`pockjax.init_opt_state`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, pockjax
+        >>> tx = optax.adam(0.1)
+        >>> def step(params, opt_state, x):
+        ...     loss_fn = lambda p: jnp.sum(jnp.tanh(x @ p["a"]) @ p["b"])
+        ...     loss, g = jax.value_and_grad(loss_fn)(params)
+        ...     updates, opt_state = tx.update(g, opt_state, params)
+        ...     return optax.apply_updates(params, updates), opt_state, loss
+        >>> params = {"a": jnp.ones((3, 4)), "b": jnp.ones((4, 2))}
+        >>> graph = pockjax.trace_step(step, (params, tx.init(params), jnp.ones((5, 3))))
+        >>> sparse = pockjax.dce(pockjax.sparse_grad(pockjax.UpdateScheme({"b": "full"}))(graph))
+        >>> pockjax.count_primitives(graph)["dot_general"], pockjax.count_primitives(sparse)["dot_general"]
+        (4, 2)
+    """
+
+    def apply(graph: TrainGraph) -> TrainGraph:
+        return _sparse_grad(graph, scheme, sparse_opt_state)
+
+    apply.__name__ = "sparse_grad"
+    apply.scheme = scheme
+    return apply
+
+
+def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool) -> TrainGraph:
+    rules = resolve_rules(graph, scheme)
+    jaxpr = graph.jaxpr
+    invars, outvars = jaxpr.invars, jaxpr.outvars
+
+    def rule_of_input(i: int):
+        if graph.in_roles[i] == PARAM:
+            return rules[i]
+        if graph.in_roles[i] == OPT_STATE and graph.param_of[i] is not None:
+            return rules[graph.param_of[i]]
+        return Full()
+
+    # 1. What each output becomes.
+    #    ("keep", i): the old input i; ("select", i, sel): old input i with the
+    #    selected channels from the new value; ("part", sel): only the slice
+    #    (sparse optimizer state); ("whole",): the new value.
+    out_plan = []
+    for o, v in enumerate(outvars):
+        i = graph.out_to_in[o]
+        rule = rule_of_input(i) if i is not None else Full()
+        if isinstance(rule, Frozen):
+            out_plan.append(("keep", i))
+        elif isinstance(rule, ChannelSelect):
+            sparse = sparse_opt_state and graph.in_roles[i] == OPT_STATE
+            out_plan.append(("part", rule) if sparse else ("select", i, rule))
+        else:
+            out_plan.append(("whole",))
+
+    # Inputs as given to the rewritten graph.
+    in_form: dict = {}
+    dropped_inputs = set()
+    for i, v in enumerate(invars):
+        rule = rule_of_input(i)
+        if sparse_opt_state and graph.in_roles[i] == OPT_STATE and not isinstance(rule, Full):
+            if isinstance(rule, Frozen):
+                dropped_inputs.add(i)
+            else:
+                in_form[v] = rule
+        else:
+            in_form[v] = None
+
+    # 2. Demand analysis (backwards).
+    requests: dict = {}
+
+    def request(v, form):
+        if isinstance(v, C.Literal):
+            return
+        requests.setdefault(v, []).append(form)
+
+    for v, plan in zip(outvars, out_plan):
+        if plan[0] == "keep":
+            if plan[1] not in dropped_inputs:
+                request(invars[plan[1]], None)
+        elif plan[0] == "select":
+            request(v, plan[2])
+            request(invars[plan[1]], None)
+        elif plan[0] == "part":
+            request(v, plan[1])
+        else:
+            request(v, None)
+
+    def demand(v):
+        forms = requests.get(v)
+        if not forms:
+            return "dead"
+        first = forms[0]
+        return first if all(f == first for f in forms) else None
+
+    modes = [None] * len(jaxpr.eqns)  # per eqn: ("dead",) | ("zero",) | ("sliced", forms, params, sel) | ("full",)
+    for k in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[k]
+        outs = [demand(v) if not isinstance(v, C.DropVar) else "dead" for v in eqn.outvars]
+        if all(d == "dead" for d in outs) and not eqn.effects:
+            modes[k] = ("dead",)
+            continue
+        if eqn.primitive is tags.grad_tag_p:
+            rule = rules.get(eqn.params["index"], Full())
+            if isinstance(rule, Frozen):
+                modes[k] = ("zero",)
+                continue
+            if isinstance(rule, ChannelSelect):
+                modes[k] = ("grad_select", rule, outs[0])
+                request(eqn.invars[0], rule)
+                continue
+            modes[k] = ("identity", outs[0])
+            request(eqn.invars[0], outs[0] if outs[0] != "dead" else None)
+            continue
+        if len(outs) == 1 and isinstance(outs[0], ChannelSelect) and eqn.primitive.name in PUSH_RULES:
+            pushed = PUSH_RULES[eqn.primitive.name](eqn, outs[0])
+            if pushed is not None:
+                forms, params = pushed
+                modes[k] = ("sliced", forms, params, outs[0])
+                for v, f in zip(eqn.invars, forms):
+                    request(v, f)
+                continue
+        modes[k] = ("full",)
+        for v in eqn.invars:
+            request(v, None)
+
+    for i in range(len(invars)):
+        if i in dropped_inputs and requests.get(invars[i]):
+            raise PockjaxError(
+                f"optimizer state {graph.in_paths[i]!r} of a frozen parameter is read by the step; "
+                "this optimizer needs the full state: initialise it with tx.init(params) instead"
+            )
+        sel = in_form.get(invars[i])
+        if isinstance(sel, ChannelSelect) and any(f != sel for f in requests.get(invars[i], [])):
+            raise PockjaxError(
+                f"optimizer state {graph.in_paths[i]!r} is used whole, not channel by channel; "
+                "this optimizer needs the full state: initialise it with tx.init(params)"
+            )
+
+    # 3. Re-trace, computing each value in the form demanded.
+    kept_inputs = [i for i in range(len(invars)) if i not in dropped_inputs]
+    nested = _nested_rule(rules)
+
+    def run(*args):
+        env: dict = {}
+        for i, x in zip(kept_inputs, args):
+            env[invars[i]] = (in_form[invars[i]], x)
+        for v, c in zip(jaxpr.constvars, graph.closed_jaxpr.consts):
+            env[v] = (None, c)
+
+        def read(v, form):
+            if isinstance(v, C.Literal):
+                return v.val
+            have, x = env[v]
+            if have == form:
+                return x
+            if have is None and form is not None:
+                if isinstance(x, ZeroValue):
+                    return ZeroValue(slicing.sliced_shape(form, x.shape), x.dtype)
+                return slicing.take(form, x)
+            raise AssertionError(f"value {v} is held as {have}, needed as {form}")
+
+        def write(v, form, x):
+            if not isinstance(v, C.DropVar):
+                env[v] = (form, x)
+
+        for eqn, mode in zip(jaxpr.eqns, modes):
+            kind = mode[0]
+            if kind == "dead":
+                continue
+            if kind == "zero":
+                write(eqn.outvars[0], None, _zero_like_out(eqn)[0])
+            elif kind == "grad_select":
+                sel, out_demand = mode[1], mode[2]
+                part = read(eqn.invars[0], sel)
+                if out_demand == sel:
+                    write(eqn.outvars[0], sel, part)
+                elif isinstance(part, ZeroValue):
+                    write(eqn.outvars[0], None, ZeroValue(tuple(eqn.outvars[0].aval.shape), part.dtype))
+                else:
+                    write(eqn.outvars[0], None, slicing.pad(sel, part, eqn.outvars[0].aval.shape))
+            elif kind == "identity":
+                form = mode[1] if mode[1] != "dead" else None
+                write(eqn.outvars[0], form, read(eqn.invars[0], form))
+            elif kind == "sliced":
+                forms, params, sel = mode[1], mode[2], mode[3]
+                invals = [read(v, f) for v, f in zip(eqn.invars, forms)]
+                zrule = ZERO_RULES.get(eqn.primitive.name)
+                outs = zrule(eqn, invals) if zrule and any(isinstance(x, ZeroValue) for x in invals) else None
+                if outs is not None and isinstance(outs[0], ZeroValue):
+                    outs = [ZeroValue(slicing.sliced_shape(sel, outs[0].shape), outs[0].dtype)]
+                if outs is None and eqn.primitive in tags.TAG_PRIMITIVES:
+                    outs = [invals[0]]
+                if outs is None:
+                    outs = _interp.bind_eqn(eqn, [_materialize(x) for x in invals], params)
+                write(eqn.outvars[0], sel, outs[0])
+            else:
+                invals = [read(v, None) for v in eqn.invars]
+                outs = None
+                if any(isinstance(x, ZeroValue) for x in invals):
+                    zrule = ZERO_RULES.get(eqn.primitive.name)
+                    outs = zrule(eqn, invals) if zrule else None
+                    if outs is None:
+                        invals = [_materialize(x) for x in invals]
+                if outs is None and eqn.primitive.name in ("pockjax_param_tag", "pockjax_tangent_tag"):
+                    outs = [invals[0]]
+                if outs is None:
+                    outs = nested(eqn, invals)
+                if outs is None:
+                    outs = _interp.bind_eqn(eqn, invals)
+                for v, x in zip(eqn.outvars, outs):
+                    write(v, None, x)
+
+        results = []
+        for v, plan in zip(outvars, out_plan):
+            if plan[0] == "keep":
+                results.append(read(invars[plan[1]], None))
+            elif plan[0] == "select":
+                sel = plan[2]
+                old = read(invars[plan[1]], None)
+                results.append(slicing.put(sel, old, _materialize(read(v, sel))))
+            elif plan[0] == "part":
+                results.append(_materialize(read(v, plan[1])))
+            else:
+                results.append(_materialize(read(v, None)))
+        return results
+
+    in_structs = []
+    for i in kept_inputs:
+        aval = invars[i].aval
+        sel = in_form[invars[i]]
+        shape = slicing.sliced_shape(sel, aval.shape) if sel is not None else aval.shape
+        in_structs.append(jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type))
+    new_closed = jax.make_jaxpr(run)(*in_structs)
+
+    # 4. Bookkeeping: drop removed state from roles, paths and maps.
+    kept_outputs = [o for o, plan in enumerate(out_plan) if not (plan[0] == "keep" and plan[1] in dropped_inputs)]
+    if len(kept_outputs) != len(out_plan):
+        inner = new_closed.jaxpr
+        inner = inner.replace(outvars=[inner.outvars[o] for o in kept_outputs])
+        new_closed = C.ClosedJaxpr(inner, new_closed.consts)
+    new_index = {old: new for new, old in enumerate(kept_inputs)}
+    meta = dict(graph.meta)
+    meta.setdefault("passes", [])
+    meta["passes"] = meta["passes"] + ["sparse_grad"]
+    meta["scheme"] = scheme
+    meta["rules"] = {graph.in_paths[i]: r for i, r in rules.items()}
+    meta["sparse_opt_state"] = sparse_opt_state
+    return graph.replace(
+        closed_jaxpr=new_closed,
+        in_roles=tuple(graph.in_roles[i] for i in kept_inputs),
+        in_paths=tuple(graph.in_paths[i] for i in kept_inputs),
+        out_roles=tuple(graph.out_roles[o] for o in kept_outputs),
+        out_paths=tuple(graph.out_paths[o] for o in kept_outputs),
+        out_to_in=tuple(
+            None if graph.out_to_in[o] is None else new_index[graph.out_to_in[o]] for o in kept_outputs
+        ),
+        param_of=tuple(
+            None if graph.param_of[i] is None else new_index.get(graph.param_of[i]) for i in kept_inputs
+        ),
+        meta=meta,
+    )

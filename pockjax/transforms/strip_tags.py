@@ -1,0 +1,41 @@
+"""Remove pockjax's parameter and gradient tags (identity ops) from a graph.
+
+Tags exist so that passes can find parameters' gradients; the compiled
+program does not need them. This pass runs last in :func:`pockjax.compile`.
+"""
+
+from __future__ import annotations
+
+from pockjax import tags
+from pockjax.graph import TrainGraph
+from pockjax.transforms import _interp
+
+
+def _is_tag(eqn) -> bool:
+    return eqn.primitive in tags.TAG_PRIMITIVES
+
+
+def _rule(eqn, invals):
+    if _is_tag(eqn):
+        return [invals[0]]
+    return _interp.rewrite_nested(eqn, invals, _rule, _is_tag)
+
+
+def strip_tags(graph: TrainGraph) -> TrainGraph:
+    """Drop every ``pockjax_*_tag`` equation (a pass).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, pockjax
+        >>> def step(p, s, x):
+        ...     g = jax.grad(lambda p: jnp.sum(p * x))(p)
+        ...     return p - 0.1 * g, s, None
+        >>> g = pockjax.trace_step(step, (jnp.ones(3), (), jnp.ones(3)))
+        >>> sorted(pockjax.count_primitives(pockjax.strip_tags(g)))
+        ['mul', 'sub']
+    """
+    if not _interp.contains(graph.jaxpr, _is_tag):
+        return graph
+    closed = _interp.retrace(graph.closed_jaxpr, _rule)
+    meta = dict(graph.meta)
+    meta["passes"] = list(meta.get("passes", [])) + ["strip_tags"]
+    return graph.replace(closed_jaxpr=closed, meta=meta)
