@@ -1,0 +1,49 @@
+"""Memory analysis for train steps: liveness, a planner, XLA comparison, plots, RSS.
+
+Everything except :func:`peak_rss` works from abstract values (``jax.ShapeDtypeStruct``)
+and never allocates the arrays it reasons about.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from pockjax import memory
+  >>> w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+  >>> x = jax.ShapeDtypeStruct((512, 4096), jnp.bfloat16)
+  >>> p = memory.plan(lambda w, x: (x @ w).sum(), (w, x), roles=("param", "batch"), budget_gb=1)
+  >>> memory.format_bytes(p.peak_bytes), p.fits
+  ('40.00 MiB', True)
+"""
+
+from pockjax.memory.liveness import (
+    CATEGORIES,
+    FUSION_MODES,
+    ROLE_CATEGORY,
+    LiveValue,
+    MemoryReport,
+    analyze,
+    aval_bytes,
+    format_bytes,
+)
+from pockjax.memory.planner import Plan, XlaComparison, compare_with_xla, flat_roles, plan, xla_memory
+from pockjax.memory.plot import plot_timeline
+from pockjax.memory.rss import RssResult, peak_rss, peak_rss_of_command
+
+__all__ = [
+    "CATEGORIES",
+    "FUSION_MODES",
+    "ROLE_CATEGORY",
+    "LiveValue",
+    "MemoryReport",
+    "Plan",
+    "RssResult",
+    "XlaComparison",
+    "analyze",
+    "aval_bytes",
+    "compare_with_xla",
+    "flat_roles",
+    "format_bytes",
+    "peak_rss",
+    "peak_rss_of_command",
+    "plan",
+    "plot_timeline",
+    "xla_memory",
+]
