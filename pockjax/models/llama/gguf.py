@@ -271,7 +271,7 @@ def read_gguf(path: str | os.PathLike, **config_overrides: Any
     """Reads a LLaMA GGUF file into a config and flat float32 numpy params.
 
     Args:
-      path: The ``.gguf`` file.
+      path: The ``.gguf`` file (or a reader from :func:`open_gguf`).
       **config_overrides: Fields of :class:`LlamaConfig` to override (e.g.
         ``max_seq_len=1024``); ``scan_layers`` only affects :func:`build_model`.
 
@@ -287,7 +287,8 @@ def read_gguf(path: str | os.PathLike, **config_overrides: Any
       cfg, flat = read_gguf(pretrained_path("smollm2-135m"))
       flat["layers.0.attn.wq.kernel"].shape   # (576, 576)
     """
-    reader = open_gguf(path)
+    reader = path if hasattr(path, "tensors") else open_gguf(path)
+    path = getattr(reader, "path", path) if hasattr(path, "tensors") else path
     cfg = gguf_config(reader, **config_overrides)
     params: dict[str, np.ndarray] = {}
     for t in reader.tensors:
@@ -492,8 +493,9 @@ def load_pretrained(name: str = "smollm2-135m", *, dtype: Any = None,
       model, tok = load_pretrained("smollm2-135m", max_seq_len=512)
       ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
     """
-    from pockjax.models.llama.tokenizer import load_tokenizer
+    from pockjax.models.llama.tokenizer import tokenizer_from_gguf
 
-    path = pretrained_path(name)
-    model = load_gguf(path, dtype=dtype, param_dtype=param_dtype, **config_overrides)
-    return model, load_tokenizer(path)
+    reader = open_gguf(pretrained_path(name))
+    cfg, flat = read_gguf(reader, **config_overrides)
+    model = build_model(cfg, flat, dtype=dtype, param_dtype=param_dtype)
+    return model, tokenizer_from_gguf(reader)

@@ -50,6 +50,7 @@ __all__ = [
     "next_token_loss",
     "rope_cos_sin",
     "split",
+    "stack_layers",
     "unflatten_params",
 ]
 
@@ -370,6 +371,35 @@ class Llama(nnx.Module):
         x = self.embed(tokens)
         x, (k, v) = self._layers(x, cos, sin, attn_mask, (cache.k, cache.v), cache_index)
         return self.logits_from_hidden(x), KVCache(k, v)
+
+
+def stack_layers(model: Llama) -> Llama:
+    """The same model with its blocks stacked (``config.scan_layers=True``).
+
+    Works inside ``jax.jit`` (the stacking is then part of the program). A
+    scanned model compiles one block instead of ``n_layers``, which makes
+    compilation much faster; generation uses it for that reason.
+
+    Example:
+      >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+      >>> scanned = stack_layers(model)
+      >>> scanned.layers.mlp.w1.kernel.shape
+      (2, 64, 96)
+      >>> toks = jnp.array([[3, 1, 4]])
+      >>> bool(jnp.allclose(scanned(toks), model(toks), atol=1e-5))
+      True
+    """
+    if model.config.scan_layers:
+        return model
+    cfg = model.config.replace(scan_layers=True)
+    param_dtype = model.embed.embedding.dtype
+    abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), dtype=model.embed.dtype,
+                                            param_dtype=param_dtype))
+    graphdef, _ = nnx.split(abstract)
+    params = split(model)[1]
+    layers = [params["layers"][i] for i in range(cfg.n_layers)]
+    params = {**params, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
+    return nnx.merge(graphdef, params)
 
 
 # -- functional interface --------------------------------------------------------

@@ -1,0 +1,205 @@
+"""Jit-compiled text generation with a KV cache: greedy, temperature and top-p.
+
+Prompts of different lengths are left-padded to a common length (rounded up to
+a multiple of ``pad_to_multiple`` so that few shapes get compiled); each row's
+RoPE positions count only its real tokens, and padding slots are masked out of
+attention, so a prompt generates the same tokens alone or in a batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pockjax.models.llama.model import Llama, init_cache, stack_layers
+
+__all__ = ["generate", "generate_text", "sample_logits"]
+
+
+def sample_logits(logits: jax.Array, key: jax.Array, temperature: float | jax.Array = 1.0,
+                  top_p: float | jax.Array = 1.0) -> jax.Array:
+    """Samples one token per row with temperature and nucleus (top-p) filtering.
+
+    Args:
+      logits: ``(batch, vocab)``.
+      key: A PRNG key.
+      temperature: Divides the logits (> 0).
+      top_p: Keep the smallest set of tokens whose probability reaches
+        ``top_p`` (the most likely token is always kept).
+
+    Returns:
+      int32 ids, shape ``(batch,)``.
+
+    Example:
+      >>> logits = jnp.array([[0.0, 5.0, 0.0]])
+      >>> int(sample_logits(logits, jax.random.key(0), 1.0, top_p=0.5)[0])
+      1
+    """
+    logits = logits.astype(jnp.float32) / temperature
+    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
+    cum = jnp.cumsum(sorted_probs, axis=-1)
+    keep = (cum - sorted_probs) < top_p          # mass before this token is below top_p
+    keep = keep.at[:, 0].set(True)
+    threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    masked = jnp.where(logits >= threshold, logits, -jnp.inf)
+    return jax.random.categorical(key, masked, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy"))
+def _generate_jit(graphdef, state, tokens, valid, key, temperature, top_p, stop_ids, pad_id,
+                  *, max_new_tokens: int, greedy: bool):
+    # One scanned block compiles far faster than n_layers unrolled ones.
+    model = stack_layers(nnx.merge(graphdef, state))
+    b, p = tokens.shape
+    total = p + max_new_tokens
+    cache = init_cache(model.config, b, total, model.embed.embedding.dtype)
+    key_valid = jnp.concatenate([valid, jnp.ones((b, max_new_tokens), bool)], axis=1)
+    positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+
+    def pick(logits, key):
+        if greedy:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return sample_logits(logits, key, temperature, top_p)
+
+    logits, cache = model.decode(tokens, positions, cache, 0, key_valid)
+    key, sub = jax.random.split(key)
+    first = pick(logits[:, -1], sub)
+    done = jnp.isin(first, stop_ids)
+    next_pos = positions[:, -1] + 1
+
+    def step(carry, i):
+        tok, pos, cache, done, key = carry
+        logits, cache = model.decode(tok[:, None], pos[:, None], cache, p + i, key_valid)
+        key, sub = jax.random.split(key)
+        new = pick(logits[:, -1], sub)
+        new = jnp.where(done, pad_id, new)
+        done = done | jnp.isin(new, stop_ids)
+        return (new, pos + 1, cache, done, key), new
+
+    init = (first, next_pos, cache, done, key)
+    _, rest = jax.lax.scan(step, init, jnp.arange(max_new_tokens - 1))
+    return jnp.concatenate([first[:, None], rest.T], axis=1)
+
+
+def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+             stop_ids: Sequence[int] = (), pad_id: int = 0, pad_to_multiple: int = 16,
+             batch_size: int | None = None) -> list[list[int]]:
+    """Generates continuations of token-id prompts.
+
+    Args:
+      model: The :class:`Llama`.
+      prompts: One list of token ids per prompt (lengths may differ; none empty).
+      max_new_tokens: Number of tokens to generate per prompt.
+      temperature: 0 for greedy decoding, else the sampling temperature.
+      top_p: Nucleus sampling threshold (with ``temperature > 0``).
+      seed: PRNG seed for sampling.
+      stop_ids: Ids that end a row (e.g. the EOS / ``<|im_end|>`` id); the stop
+        id itself is not returned.
+      pad_id: Id used to left-pad prompts (never attended to).
+      pad_to_multiple: Prompt length is rounded up to a multiple of this, so
+        that prompts of similar length share one compiled program.
+      batch_size: Rows per compiled call (default: all prompts at once).
+
+    Returns:
+      One list of generated ids per prompt.
+
+    Raises:
+      ValueError: an empty prompt, or prompt plus ``max_new_tokens`` longer
+        than the model's ``max_seq_len``.
+
+    Example:
+      >>> from pockjax.models.llama import Llama, LlamaConfig
+      >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+      >>> out = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=4)
+      >>> [len(o) for o in out]
+      [4, 4]
+    """
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    prompts = [list(map(int, p)) for p in prompts]
+    if not prompts:
+        return []
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    batch_size = batch_size or len(prompts)
+    longest = max(len(p) for p in prompts)
+    pad_len = -(-longest // pad_to_multiple) * pad_to_multiple
+    limit = model.config.max_seq_len
+    if longest + max_new_tokens > limit:
+        raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds"
+                         f" the model's context of {limit} tokens")
+    pad_len = min(pad_len, limit - max_new_tokens)
+    graphdef, state = nnx.split(model)
+    stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
+    key = jax.random.key(seed)
+    results: list[list[int]] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        rows = len(chunk)
+        if rows < batch_size and start > 0:  # keep one compiled shape per call
+            chunk = chunk + [chunk[-1]] * (batch_size - rows)
+        tokens = np.full((len(chunk), pad_len), pad_id, np.int32)
+        valid = np.zeros((len(chunk), pad_len), bool)
+        for i, p in enumerate(chunk):
+            tokens[i, pad_len - len(p):] = p
+            valid[i, pad_len - len(p):] = True
+        key, sub = jax.random.split(key)
+        out = _generate_jit(graphdef, state, jnp.asarray(tokens), jnp.asarray(valid), sub,
+                            jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p), stop,
+                            jnp.int32(pad_id), max_new_tokens=max_new_tokens,
+                            greedy=temperature <= 0.0)
+        out = np.asarray(out)[:rows]
+        stop_set = set(int(s) for s in stop_ids)
+        for row in out.tolist():
+            cut = next((j for j, t in enumerate(row) if t in stop_set), len(row))
+            results.append(row[:cut])
+    return results
+
+
+def generate_text(model: Llama, tokenizer: Any, prompts: Sequence[str | Sequence[dict]],
+                  *, chat: bool = True, max_new_tokens: int = 64, temperature: float = 0.0,
+                  top_p: float = 1.0, seed: int = 0, batch_size: int | None = None) -> list[str]:
+    """Generates text answers to text prompts or chats.
+
+    Args:
+      model: The :class:`Llama`.
+      tokenizer: A :class:`pockjax.models.llama.Tokenizer`.
+      prompts: Strings, or chats (lists of ``{"role", "content"}`` dicts).
+      chat: Wrap string prompts as a single user message and apply the chat
+        template (default); with False, strings are encoded as they are.
+      max_new_tokens, temperature, top_p, seed, batch_size: as for
+        :func:`generate`. Generation stops at the tokenizer's EOS id and at
+        ``<|im_end|>`` / ``<|endoftext|>`` when the vocabulary has them.
+
+    Returns:
+      The decoded answers (special tokens removed, surrounding whitespace kept).
+
+    Example (not run: needs a pretrained model)::
+
+      model, tok = load_pretrained("smollm2-135m")
+      generate_text(model, tok, ["What is the capital of France?"], max_new_tokens=12)
+    """
+    ids = []
+    for p in prompts:
+        if isinstance(p, str) and not chat:
+            ids.append(tokenizer.encode(p))
+        else:
+            messages = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
+            ids.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    stops = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
+    for name in ("<|im_end|>", "<|endoftext|>"):
+        tid = tokenizer.token_to_id(name)
+        if tid is not None:
+            stops.add(tid)
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    out = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                   top_p=top_p, seed=seed, stop_ids=sorted(stops), pad_id=pad,
+                   batch_size=batch_size)
+    return [tokenizer.decode(o, skip_special_tokens=True) for o in out]
