@@ -108,6 +108,24 @@ def _register(w: Workaround) -> Workaround:
     return w
 
 
+_register(
+    Workaround(
+        name="cuda-reduction-distribution",
+        symptom="failed to get neutral element for reduction",
+        applies_to=("cuda",),
+        flags=("--iree-codegen-llvmgpu-use-reduction-vector-distribution=false",),
+        why=(
+            "The backward of a cross-entropy written with take_along_axis is a scatter-add of "
+            "-1/N into zeros followed by row sums. IREE 3.13's LLVMGPU reduction "
+            "vector-distribution pipeline picks that dispatch and fails to tile it "
+            "('failed to get neutral element for reduction', 'tiling of level PartialReduction "
+            "failed'). Turning that pipeline off makes IREE use its generic GPU reduction "
+            "lowering, which compiles it."
+        ),
+    )
+)
+
+
 def default_workarounds(target: _targets.Target) -> list[str]:
     """Names of the workarounds applied by default for a target."""
     return [w.name for w in WORKAROUNDS.values() if target.backend in w.applies_to]

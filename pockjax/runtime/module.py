@@ -235,7 +235,7 @@ def save_weights(path: str | os.PathLike, arrays: Mapping[str, np.ndarray]) -> N
     index = rt.ParameterIndex()
     keep = []
     for name, a in arrays.items():
-        a = np.ascontiguousarray(np.asarray(a))
+        a = np.array(a, order="C", copy=True)  # (np.ascontiguousarray would make 0-d arrays 1-d)
         keep.append(a)
         meta = json.dumps({"dtype": a.dtype.name, "shape": list(a.shape)})
         # add_buffer needs a non-empty buffer; scalars are fine, empty arrays are not.

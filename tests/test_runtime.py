@@ -1,0 +1,229 @@
+"""pockjax.runtime: export, load without JAX, continue training, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+pytest.importorskip("iree.compiler")
+pytest.importorskip("iree.runtime")
+
+import _iree_steps as S  # noqa: E402
+from pockjax import runtime  # noqa: E402
+from pockjax.backends import iree as piree  # noqa: E402
+
+pytestmark = pytest.mark.iree
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def exported_mlp(tmp_path_factory):
+    """The MLP step for cpu, exported with its initial weights (written by the JAX side)."""
+    fs = S.mlp_step()
+    path = tmp_path_factory.mktemp("export") / "mlp_cpu"
+    piree.export_module(S.compiled("mlp", "cpu"), path, weights=fs.flat_state(), extra={"tree": "mlp-test"})
+    return str(path)
+
+
+def _copy(src, tmp_path, name="copy"):
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ---------------------------------------------------------------------------
+# Export format
+# ---------------------------------------------------------------------------
+
+
+def test_export_writes_module_metadata_and_weights(exported_mlp):
+    assert sorted(os.listdir(exported_mlp)) == ["module.json", "module.vmfb", "weights.irpa"]
+    meta = json.load(open(os.path.join(exported_mlp, "module.json")))
+    assert meta["format"] == "pockjax-iree-module"
+    assert meta["target"]["name"] == "cpu" and meta["target"]["driver"] == "local-task"
+    assert {"jax", "iree-base-compiler", "iree-base-runtime", "pockjax"} <= set(meta["versions"])
+    assert meta["extra"] == {"step": "mlp", "tree": "mlp-test"}
+    fs = S.mlp_step()
+    assert [i["name"] for i in meta["inputs"]] == fs.input_names
+    assert meta["inputs"][-2] == {"name": "batch[0]", "shape": [4, 8], "dtype": "float32", "role": "input"}
+    roles = [o["role"] for o in meta["outputs"]]
+    assert roles == ["state"] * fs.n_state + ["aux"]
+    assert [o["state_index"] for o in meta["outputs"][:-1]] == list(range(fs.n_state))
+    assert meta["weights"] == {"file": "weights.irpa", "format": "irpa"}
+
+
+def test_weights_archive_roundtrip(tmp_path):
+    arrays = {"a.w": np.arange(6, dtype=np.float32).reshape(2, 3), "count": np.array(7, np.int32),
+              "h": np.ones((5,), np.float16)}
+    runtime.save_weights(tmp_path / "w.irpa", arrays)
+    back = runtime.load_weights(tmp_path / "w.irpa")
+    assert set(back) == set(arrays)
+    for k in arrays:
+        assert back[k].dtype == arrays[k].dtype and back[k].shape == arrays[k].shape
+        np.testing.assert_array_equal(back[k], arrays[k])
+
+
+# ---------------------------------------------------------------------------
+# Running from NumPy arrays
+# ---------------------------------------------------------------------------
+
+
+def test_loaded_module_continues_training_like_jit(exported_mlp, tmp_path):
+    """Weights written by JAX, 5 steps in the runtime == 5 jax.jit steps; then save/reload."""
+    fs = S.mlp_step()
+    mod = runtime.load(exported_mlp)
+    losses = [float(mod.step(*[np.asarray(b) for b in fs.batches[i % 3]])[0]) for i in range(5)]
+    ref_losses, ref_state = fs.reference(5)
+    S.assert_matches(fs, losses, list(mod.get_state().values()), ref_losses, ref_state)
+    mod.save_weights(tmp_path / "trained.irpa")
+    again = runtime.load(exported_mlp)
+    again.load_weights(tmp_path / "trained.irpa")
+    for k, v in mod.get_state().items():
+        np.testing.assert_array_equal(again.get_state()[k], v)
+
+
+def test_named_batch_inputs_and_set_state_subset(exported_mlp):
+    fs = S.mlp_step()
+    mod = runtime.load(exported_mlp)
+    x, y = (np.asarray(b) for b in fs.batches[0])
+    (l1,) = mod.step(**{"batch[0]": x, "batch[1]": y})
+    mod.set_state({"params['l1']['b']": np.full((16,), 0.5, np.float32)})
+    np.testing.assert_array_equal(mod.get_state()["params['l1']['b']"], 0.5)
+    assert np.isfinite(l1)
+
+
+_NO_JAX_SCRIPT = textwrap.dedent(
+    """
+    import importlib.abc, sys
+
+    class _NoJax(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "jax" or name.startswith(("jax.", "jaxlib", "flax", "optax")):
+                raise ImportError(f"{name} is blocked in this test process")
+            return None
+
+    sys.meta_path.insert(0, _NoJax())
+    import numpy as np
+    if sys.argv[4] == "package":
+        from pockjax import runtime
+    else:  # the single file pockjax/runtime/module.py, copied to a device on its own
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("pockjax_runtime_module", sys.argv[4])
+        runtime = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = runtime  # (dataclasses look their module up)
+        spec.loader.exec_module(runtime)
+    try:
+        import jax  # noqa: F401
+        raise SystemExit("jax import was not blocked")
+    except ImportError:
+        pass
+    mod = runtime.load(sys.argv[1])
+    batches = np.load(sys.argv[2])
+    losses = []
+    for i in range(5):
+        (loss,) = mod.step(batches[f"x{i % 3}"], batches[f"y{i % 3}"])
+        losses.append(float(loss))
+    np.savez(sys.argv[3], losses=np.array(losses), **mod.get_state())
+    assert not any(m == "jax" or m.startswith("jax.") for m in sys.modules), "jax got imported"
+    print("ok")
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["package", "single-file"])
+def test_runtime_runs_in_a_process_where_jax_cannot_be_imported(exported_mlp, tmp_path, how):
+    """``from pockjax import runtime`` (and the bare module file) work where ``import jax`` fails.
+
+    The ``package`` variant also needs ``pockjax/__init__.py`` not to import JAX eagerly.
+    """
+    fs = S.mlp_step()
+    which = "package" if how == "package" else os.path.join(REPO, "pockjax", "runtime", "module.py")
+    np.savez(tmp_path / "batches.npz", **{f"x{i}": np.asarray(b[0]) for i, b in enumerate(fs.batches)},
+             **{f"y{i}": np.asarray(b[1]) for i, b in enumerate(fs.batches)})
+    script = tmp_path / "run_no_jax.py"
+    script.write_text(_NO_JAX_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.run(
+        [sys.executable, str(script), exported_mlp, str(tmp_path / "batches.npz"), str(tmp_path / "out.npz"), which],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = np.load(tmp_path / "out.npz")
+    ref_losses, ref_state = fs.reference(5)
+    S.assert_matches(fs, list(out["losses"]), [out[n] for n in fs.input_names[: fs.n_state]], ref_losses, ref_state)
+
+
+# ---------------------------------------------------------------------------
+# Clear errors
+# ---------------------------------------------------------------------------
+
+
+def test_wrong_shape_and_dtype_are_named(exported_mlp):
+    mod = runtime.load(exported_mlp)
+    x = np.zeros((4, 8), np.float32)
+    with pytest.raises(runtime.InputError, match=r"'batch\[1\]': expected shape \(4, 4\), got \(4, 5\)"):
+        mod.step(x, np.zeros((4, 5), np.float32))
+    with pytest.raises(runtime.InputError, match=r"'batch\[0\]': expected dtype float32, got float64"):
+        mod.step(x.astype(np.float64), np.zeros((4, 4), np.float32))
+    with pytest.raises(runtime.InputError, match="expected 2 batch inputs"):
+        mod.step(x)
+    with pytest.raises(runtime.InputError, match="unknown state names"):
+        mod.set_state({"params.nope": x})
+
+
+def test_missing_files(exported_mlp, tmp_path):
+    with pytest.raises(runtime.ModuleError, match="does not exist"):
+        runtime.load(tmp_path / "nowhere")
+    d = _copy(exported_mlp, tmp_path, "no_vmfb")
+    os.remove(d / "module.vmfb")
+    with pytest.raises(runtime.ModuleError, match="module file .* is missing"):
+        runtime.load(d)
+    d = _copy(exported_mlp, tmp_path, "no_weights")
+    os.remove(d / "weights.irpa")
+    with pytest.raises(runtime.ModuleError, match="weights file .* is missing"):
+        runtime.load(d)
+    d = _copy(exported_mlp, tmp_path, "no_meta")
+    os.remove(d / "module.json")
+    with pytest.raises(runtime.ModuleError, match="no module metadata"):
+        runtime.load(d)
+    mod = runtime.load(exported_mlp, load_initial_weights=False)
+    with pytest.raises(runtime.ModuleError, match="state not initialised"):
+        mod.step(np.zeros((4, 8), np.float32), np.zeros((4, 4), np.float32))
+
+
+def test_replaced_module_fails_checksum(exported_mlp, tmp_path):
+    d = _copy(exported_mlp, tmp_path)
+    with open(d / "module.vmfb", "wb") as f:
+        f.write(S.compiled("mlp", "dsp").vmfb)
+    with pytest.raises(runtime.ModuleError, match="checksum"):
+        runtime.load(d)
+
+
+def test_module_for_another_target_is_refused(tmp_path):
+    fs = S.mlp_step()
+    dsp = piree.export_module(S.compiled("mlp", "dsp"), tmp_path / "dsp")
+    with pytest.raises(runtime.TargetMismatchError, match="compiled for target 'dsp', not 'cpu'"):
+        runtime.load(dsp, target="cpu")
+    vk = piree.export_module(S.compiled("mlp", "vulkan"), tmp_path / "vk")
+    with pytest.raises(runtime.TargetMismatchError, match="runs on driver 'vulkan', not 'local-task'"):
+        runtime.load(vk, driver="local-task")
+    arm = piree.export_module(S.compiled("mlp", "arm64"), tmp_path / "arm", weights=fs.flat_state())
+    with pytest.raises(runtime.TargetMismatchError, match="compiled for 'aarch64-linux-gnu'"):
+        runtime.load(arm)
+
+
+def test_arm64_export_runs_through_iree_run_module_under_qemu(tmp_path):
+    fs = S.mlp_step()
+    arm = piree.export_module(S.compiled("mlp", "arm64"), tmp_path / "arm", weights=fs.flat_state())
+    mod = runtime.load(arm, tool=S.require_arm64_runner())
+    losses = [float(mod.step(*[np.asarray(b) for b in fs.batches[i]])[0]) for i in range(3)]
+    ref_losses, ref_state = fs.reference(3)
+    S.assert_matches(fs, losses, list(mod.get_state().values()), ref_losses, ref_state)
