@@ -97,7 +97,9 @@ ROLE_CATEGORY: dict[str, str] = {
 _CAT_INDEX = {c: i for i, c in enumerate(CATEGORIES)}
 
 # Primitives whose results are their operands (no new buffer).
-_ALIAS_PRIMITIVES = frozenset({"optimization_barrier", "pockjax_param_tag", "pockjax_grad_tag"})
+_ALIAS_PRIMITIVES = frozenset(
+    {"optimization_barrier", "pockjax_param_tag", "pockjax_tangent_tag", "pockjax_grad_tag"}
+)
 _GRAD_TAG = "pockjax_grad_tag"
 
 # Phases of an equation, read from its name stack.

@@ -33,6 +33,8 @@ __all__ = [
     "make_train_step",
     "abstract_train_args",
     "paper_trainable",
+    "plan_llama",
+    "plan_llama_peaks",
 ]
 
 _LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w3", "w2")
@@ -51,6 +53,7 @@ class LlamaShape:
       hidden: FFN hidden width.
       dtype: parameter and activation dtype (norms, softmax and the loss run in fp32).
       scan_layers: stack the layers and ``lax.scan`` over them.
+      tie_embeddings: the LM head is the transposed embedding (no ``lm_head``).
 
     Example:
       >>> LlamaShape.llama2_7b().n_params / 1e9
@@ -65,6 +68,7 @@ class LlamaShape:
     hidden: int = 172
     dtype: Any = jnp.float32
     scan_layers: bool = False
+    tie_embeddings: bool = False
 
     @classmethod
     def llama2_7b(cls, **overrides: Any) -> "LlamaShape":
@@ -75,6 +79,20 @@ class LlamaShape:
           2
         """
         kw = dict(vocab=32000, dim=4096, n_layers=32, n_heads=32, hidden=11008, dtype=jnp.bfloat16)
+        kw.update(overrides)
+        return cls(**kw)
+
+    @classmethod
+    def smollm2_135m(cls, **overrides: Any) -> "LlamaShape":
+        """SmolLM2-135M: d=576, 30 layers, 9 heads (3 KV heads), hidden 1536, vocab
+        49152, tied embeddings, fp32 here.
+
+        Example:
+          >>> round(LlamaShape.smollm2_135m().n_params / 1e6, 1)
+          134.5
+        """
+        kw = dict(vocab=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, hidden=1536,
+                  dtype=jnp.float32, tie_embeddings=True)
         kw.update(overrides)
         return cls(**kw)
 
@@ -105,7 +123,8 @@ class LlamaShape:
     def n_params(self) -> int:
         """Total number of parameters."""
         per_layer = sum(int(np.prod(s)) for s in self.layer_shapes().values())
-        return 2 * self.vocab * self.dim + self.dim + self.n_layers * per_layer
+        heads = 1 if self.tie_embeddings else 2
+        return heads * self.vocab * self.dim + self.dim + self.n_layers * per_layer
 
 
 def _shapes(cfg: LlamaShape) -> dict:
@@ -114,7 +133,10 @@ def _shapes(cfg: LlamaShape) -> dict:
         layers: Any = {k: (cfg.n_layers,) + s for k, s in layer.items()}
     else:
         layers = [dict(layer) for _ in range(cfg.n_layers)]
-    return {"embed": (cfg.vocab, cfg.dim), "layers": layers, "norm": (cfg.dim,), "lm_head": (cfg.dim, cfg.vocab)}
+    shapes = {"embed": (cfg.vocab, cfg.dim), "layers": layers, "norm": (cfg.dim,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (cfg.dim, cfg.vocab)
+    return shapes
 
 
 def _is_shape(x: Any) -> bool:
@@ -214,7 +236,8 @@ def forward(params: dict, tokens: jax.Array, cfg: LlamaShape) -> jax.Array:
         for lp in params["layers"]:
             x = _block(cfg, lp, x, positions)
     x = _rms_norm(x, params["norm"])
-    return (x @ params["lm_head"]).astype(jnp.float32)
+    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    return (x @ head).astype(jnp.float32)
 
 
 def loss_fn(params: dict, batch: dict, cfg: LlamaShape) -> jax.Array:
@@ -367,3 +390,66 @@ def abstract_train_args(
     train, frozen = _split(params, trainable)
     opt_state = jax.eval_shape(optimizer.init, train)
     return (train, frozen, opt_state, b), ("param", "param", "opt_state", "batch")
+
+
+def plan_llama(
+    cfg: LlamaShape,
+    optimizer: Any = None,
+    *,
+    batch: int = 1,
+    seq: int = 512,
+    trainable: Callable[[str], bool] | None = None,
+    donate: bool = True,
+    budget_gb: float | None = None,
+    **analyze_kwargs: Any,
+):
+    """Plan one fine-tuning step of a LLaMA-shaped model from abstract shapes.
+
+    Args:
+      cfg: the model shapes (e.g. ``LlamaShape.llama2_7b()``).
+      optimizer: an optax optimizer; default ``optax.adamw(1e-4)`` (moments in the
+        parameter dtype).
+      batch: batch size.
+      seq: sequence length.
+      trainable: None for full fine-tuning, else a predicate on dotted paths
+        (e.g. :func:`paper_trainable`).
+      donate: donate the trained parameters and the optimizer state (the frozen
+        parameters are never donated: the next step needs them).
+      budget_gb: device memory to compare against.
+      **analyze_kwargs: passed to :func:`pockjax.memory.analyze`.
+
+    Returns:
+      A :class:`pockjax.memory.Plan`.
+
+    Example:
+      >>> p = plan_llama(LlamaShape.llama2_7b(n_layers=2), seq=64, budget_gb=24)
+      >>> p.fits, round(p.report.peak_breakdown["weights"] / 2**30, 2)
+      (True, 1.24)
+    """
+    import optax
+
+    from pockjax.memory.planner import plan
+
+    optimizer = optimizer if optimizer is not None else optax.adamw(1e-4)
+    args, roles = abstract_train_args(cfg, optimizer, batch=batch, seq=seq, trainable=trainable)
+    step = make_train_step(cfg, optimizer, trainable)
+    donate_argnums = () if not donate else ((0, 1) if trainable is None else (0, 2))
+    return plan(step, args, roles=roles, donate_argnums=donate_argnums, budget_gb=budget_gb, **analyze_kwargs)
+
+
+def plan_llama_peaks(n_layers: int = 32, seq: int = 512) -> dict[str, int]:
+    """Peak bytes of LLaMA-2-7B-shaped full and sparse (:func:`paper_trainable`) steps.
+
+    A picklable entry point for measuring the planner itself (e.g. its peak RSS in a
+    fresh process with :func:`pockjax.memory.peak_rss`).
+
+    Example:
+      >>> peaks = plan_llama_peaks(n_layers=1, seq=16)
+      >>> peaks["sparse"] < peaks["full"]
+      True
+    """
+    cfg = LlamaShape.llama2_7b(n_layers=n_layers)
+    return {
+        "full": plan_llama(cfg, seq=seq).peak_bytes,
+        "sparse": plan_llama(cfg, seq=seq, trainable=paper_trainable).peak_bytes,
+    }

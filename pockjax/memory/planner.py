@@ -64,18 +64,26 @@ def _avals_match(a: Any, b: Any) -> bool:
     )
 
 
-def _guess_out_roles(args: tuple, roles: Sequence[str], out_shape: Any) -> list[str]:
-    """Outputs ``(x_0, x_1, ...)`` whose i-th element has the shapes of argument i take
-    that argument's role (``(params, opt_state, loss)``); the rest are ``"output"``."""
+def _guess_out_roles(args: tuple, roles: Sequence[Any], out_shape: Any) -> list[str]:
+    """An output element with exactly the shapes of a state argument (params,
+    optimizer state, model state) takes that argument's role, preferring the argument at
+    the same position: ``(params, opt_state, loss)`` for ``(params, opt_state, batch)``,
+    also ``(train, opt_state, loss)`` for ``(train, frozen, opt_state, batch)``. The
+    rest are ``"output"``."""
     if not isinstance(out_shape, (tuple, list)):
         return ["output"] * len(jax.tree.leaves(out_shape))
+    state_args = [j for j, r in enumerate(roles) if isinstance(r, str) and r in _STATE_ROLES]
+    used: set[int] = set()
     result: list[str] = []
     for i, o in enumerate(out_shape):
         n = len(jax.tree.leaves(o))
-        if i < len(args) and isinstance(roles[i], str) and roles[i] in _STATE_ROLES and _avals_match(o, args[i]):
-            result += [roles[i]] * n
-        else:
+        candidates = ([i] if i in state_args else []) + [j for j in state_args if j != i]
+        match = next((j for j in candidates if j not in used and _avals_match(o, args[j])), None)
+        if match is None or n == 0:
             result += ["output"] * n
+        else:
+            used.add(match)
+            result += [roles[match]] * n
     return result
 
 
@@ -151,8 +159,9 @@ def plan(
       roles: role of each argument (``"param"``, ``"opt_state"``, ``"batch"``,
         ``"model_state"``), or a prefix pytree of roles. Default for 3 arguments:
         ``("param", "opt_state", "batch")``; for 2: ``("param", "batch")``.
-      out_roles: roles of the outputs, like ``roles``. Default: output ``i`` takes the
-        role of argument ``i`` when its shapes match (``(params, opt_state, loss)``).
+      out_roles: roles of the outputs, like ``roles``. Default: an output element with
+        exactly the shapes of a state argument takes its role (``(params, opt_state,
+        loss)``), the rest count as ``"output"``.
       donate_argnums: arguments whose buffers may be reused (as in ``jax.jit``):
         their leaves may die at their last use.
       budget_gb: device memory to compare against, in GiB (2**30 bytes).

@@ -35,11 +35,27 @@ def _pyplot() -> Any:
     return plt
 
 
-def _draw(ax: Any, report: MemoryReport, title: str, unit: float, unit_name: str, ymax: float | None) -> None:
+def _columns(report: MemoryReport, max_points: int) -> tuple[Any, Any]:
+    """Equation indices and timeline columns to draw: every column, or for long
+    programs the column with the largest total in each of ``max_points`` bins (so the
+    peak is always drawn)."""
     import numpy as np
 
-    x = np.arange(report.n_eqns)
-    rows = [(c, report.timeline[i] / unit) for i, c in enumerate(report.categories) if report.timeline[i].any()]
+    n = report.n_eqns
+    if n <= max_points:
+        idx = np.arange(n)
+    else:
+        total = report.timeline.sum(axis=0)
+        edges = np.linspace(0, n, max_points + 1).astype(int)
+        idx = np.array([a + int(total[a:b].argmax()) for a, b in zip(edges[:-1], edges[1:]) if b > a])
+    return idx, report.timeline[:, idx]
+
+
+def _draw(
+    ax: Any, report: MemoryReport, title: str, unit: float, unit_name: str, ymax: float | None, max_points: int
+) -> None:
+    x, cols = _columns(report, max_points)
+    rows = [(c, cols[i] / unit) for i, c in enumerate(report.categories) if cols[i].any()]
     if rows:
         ax.stackplot(
             x,
@@ -75,6 +91,7 @@ def plot_timeline(
     titles: Sequence[str] = ("before", "after"),
     formats: Sequence[str] = ("png", "svg"),
     dpi: int = 120,
+    max_points: int = 1500,
 ) -> list[str]:
     """Save a stacked-area plot of live memory per category over the step.
 
@@ -89,6 +106,8 @@ def plot_timeline(
       titles: panel titles (before, after); a single panel uses the last one.
       formats: formats written when ``path`` has no such suffix.
       dpi: resolution of raster formats.
+      max_points: longer timelines are drawn from this many columns (in each bin the
+        one with the largest total, so the peak is kept); keeps SVGs small.
 
     Returns:
       The paths written.
@@ -112,11 +131,11 @@ def plot_timeline(
     unit, unit_name = next(((s, n) for s, n in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")) if peak >= s), (1, "B"))
     if before is None:
         fig, ax = plt.subplots(figsize=(8, 4))
-        _draw(ax, report, titles[-1] if len(titles) else "", unit, unit_name, None)
+        _draw(ax, report, titles[-1] if len(titles) else "", unit, unit_name, None, max_points)
     else:
         fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(13, 4), sharey=True)
-        _draw(ax0, before, titles[0], unit, unit_name, peak / unit)
-        _draw(ax1, report, titles[1] if len(titles) > 1 else "", unit, unit_name, peak / unit)
+        _draw(ax0, before, titles[0], unit, unit_name, peak / unit, max_points)
+        _draw(ax1, report, titles[1] if len(titles) > 1 else "", unit, unit_name, peak / unit, max_points)
     fig.tight_layout()
     written = []
     for t in targets:

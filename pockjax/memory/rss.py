@@ -1,15 +1,22 @@
 """Peak resident memory (RSS) of work run in a fresh process, for benchmark tables.
 
-The work runs in a new Python interpreter (``subprocess``, not ``fork``), so nothing
-the parent has allocated or imported counts; the peak comes from the kernel's
-accounting of that one child (``os.wait4`` returns its ``ru_maxrss``).
+The work runs in a new Python interpreter, so nothing the parent has allocated or
+imported counts. A child's ``ru_maxrss`` also counts the parent's image copied by
+``fork`` before ``exec`` (hundreds of MiB for a process that has imported JAX), so:
+
+* a callable reports its own high-water mark (``VmHWM`` of ``/proc/self/status``,
+  which starts afresh at ``exec``; ``ru_maxrss`` where there is no ``/proc``);
+* a command is started by a small launcher process (a bare interpreter, ~10 MiB) that
+  forks and execs it and reads its ``ru_maxrss`` with ``os.wait4``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,6 +30,13 @@ __all__ = ["RssResult", "peak_rss", "peak_rss_of_command"]
 _BOOTSTRAP = r"""
 import pickle, resource, sys
 def _maxrss():
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r if sys.platform == "darwin" else r * 1024
 with open(sys.argv[1], "rb") as f:
@@ -33,12 +47,30 @@ try:
 except BaseException as e:  # report, do not hide
     import traceback
     out = ("error", "".join(traceback.format_exception(e)))
+peak = _maxrss()
 try:
-    payload = pickle.dumps((out, baseline))
+    payload = pickle.dumps((out, baseline, peak))
 except Exception as e:
-    payload = pickle.dumps((("ok", None), baseline))
+    payload = pickle.dumps((("ok", None), baseline, peak))
 with open(sys.argv[2], "wb") as f:
     f.write(payload)
+"""
+
+# Starts a command and reports its ru_maxrss; run by a fresh, small interpreter.
+_LAUNCHER = r"""
+import json, os, sys
+out, argv = sys.argv[1], sys.argv[2:]
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(argv[0], argv)
+    finally:
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+r = usage.ru_maxrss if sys.platform == "darwin" else usage.ru_maxrss * 1024
+with open(out, "w") as f:
+    json.dump({"maxrss": r}, f)
+sys.exit(os.waitstatus_to_exitcode(status) & 0xFF)
 """
 
 
@@ -47,7 +79,8 @@ class RssResult:
     """Peak RSS of one child process.
 
     Attributes:
-      peak_bytes: the child's peak resident set size (``ru_maxrss``), in bytes.
+      peak_bytes: the child's peak resident set size, in bytes (0 if it could not be
+        read, e.g. the child was killed).
       baseline_bytes: for :func:`peak_rss`, the peak RSS just before the callable ran
         (interpreter plus the callable's module imports); None for commands.
       seconds: wall time of the child.
@@ -69,28 +102,22 @@ class RssResult:
         return None if self.baseline_bytes is None else self.peak_bytes - self.baseline_bytes
 
 
-def _maxrss_bytes(ru_maxrss: int) -> int:
-    return int(ru_maxrss) if sys.platform == "darwin" else int(ru_maxrss) * 1024
-
-
 def _run(argv: Sequence[str], env: Mapping[str, str] | None, timeout: float | None) -> tuple[int, int, float, str]:
+    """Run ``argv``; returns (its ru_maxrss in bytes, exit code, seconds, output)."""
     with tempfile.TemporaryFile("w+b") as log:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, env=dict(env) if env else None)
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid == proc.pid:
-                break
-            if timeout is not None and time.perf_counter() - t0 > timeout:
-                proc.kill()
-                pid, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.01)
+        proc = subprocess.Popen(
+            list(argv), stdout=log, stderr=subprocess.STDOUT, env=dict(env) if env else None, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the child and anything it started
+            rc = proc.wait()
         seconds = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
         log.seek(0)
         output = log.read().decode(errors="replace")[-4000:]
-    return _maxrss_bytes(usage.ru_maxrss), proc.returncode, seconds, output
+    return rc, seconds, output
 
 
 def _child_env() -> dict[str, str]:
@@ -121,7 +148,13 @@ def peak_rss_of_command(
       >>> r.returncode, r.peak_bytes > 64 * 2**20
       (0, True)
     """
-    peak, rc, seconds, output = _run(argv, env, timeout)
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rss.json")
+        rc, seconds, output = _run([sys.executable, "-c", _LAUNCHER, out, *argv], env, timeout)
+        peak = 0
+        if os.path.exists(out):
+            with open(out) as f:
+                peak = int(json.load(f)["maxrss"])
     return RssResult(peak, None, seconds, rc, None, output)
 
 
@@ -159,11 +192,11 @@ def peak_rss(
         inp, out = os.path.join(d, "in.pkl"), os.path.join(d, "out.pkl")
         with open(inp, "wb") as f:
             pickle.dump((fn, tuple(args), dict(kwargs or {})), f)
-        peak, rc, seconds, output = _run([sys.executable, "-c", _BOOTSTRAP, inp, out], _child_env(), timeout)
-        status, result, baseline = "error", output, None
+        rc, seconds, output = _run([sys.executable, "-c", _BOOTSTRAP, inp, out], _child_env(), timeout)
+        status, result, baseline, peak = "error", output, None, 0
         if os.path.exists(out):
             with open(out, "rb") as f:
-                (status, result), baseline = pickle.load(f)
+                (status, result), baseline, peak = pickle.load(f)
     if status != "ok":
         if check:
             raise RuntimeError(f"peak_rss: the call failed in the child (exit {rc}):\n{result}")
