@@ -137,7 +137,10 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
                          f" the model's context of {limit} tokens")
     pad_len = min(pad_len, limit - max_new_tokens)
     graphdef, state = nnx.split(model)
-    stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
+    # Pad the stop list to a fixed size so that it does not change the compiled shape.
+    stop_list = list(stop_ids)
+    stop = jnp.asarray(stop_list + [-1] * (-len(stop_list) % 4 or (4 if not stop_list else 0)),
+                       jnp.int32)
     key = jax.random.key(seed)
     results: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):

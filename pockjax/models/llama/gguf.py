@@ -191,7 +191,12 @@ def _field(reader, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     if field is None:
         return default
-    return field.contents()
+    value = field.contents()
+    if isinstance(value, float):
+        # GGUF stores float32: 1e-5 reads back as 9.999999747e-06. Keep the
+        # shortest decimal that rounds to the same float32.
+        value = float(str(np.float32(value)))
+    return value
 
 
 def gguf_config(reader, **overrides: Any) -> LlamaConfig:

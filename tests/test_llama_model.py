@@ -1,0 +1,272 @@
+"""Structure and numerics of the Flax LLaMA on tiny configs (fast, no model files)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pockjax.models import llama
+from pockjax.models.llama import LlamaConfig
+from pockjax.models.llama.model import stack_layers
+
+
+def _model(**overrides):
+    return llama.Llama(LlamaConfig.tiny(**overrides), rngs=nnx.Rngs(0))
+
+
+@nnx.jit
+def _fwd(model, tokens, mask=None):
+    # Eager execution dispatches (and compiles) op by op; jit keeps tests fast.
+    return model(tokens, mask=mask)
+
+
+@nnx.jit
+def _decode(model, tokens, positions, cache, index, valid):
+    return model.decode(tokens, positions, cache, index, valid)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model()
+
+
+# -- an independent numpy reference of Hugging Face's LlamaForCausalLM ---------------
+
+
+def _np_rmsnorm(x, w, eps):
+    return w * (x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps))
+
+
+def _np_rotate_half(x):
+    h = x.shape[-1] // 2
+    return np.concatenate([-x[..., h:], x[..., :h]], -1)
+
+
+def _np_forward(flat, cfg: LlamaConfig, tokens):
+    """HF modeling_llama in numpy: (out, in) torch weights, repeat_kv, rotate_half."""
+    t = len(tokens)
+    hd = cfg.head_dim_
+    x = flat["embed.embedding"][tokens].astype(np.float64)
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2) / hd))
+    freqs = np.outer(np.arange(t), inv)
+    emb = np.concatenate([freqs, freqs], -1)
+    cos, sin = np.cos(emb), np.sin(emb)
+    rep = cfg.n_heads // cfg.n_kv_heads
+    causal = np.tril(np.ones((t, t), bool))
+    for i in range(cfg.n_layers):
+        p = lambda n: flat[f"layers.{i}.{n}"].astype(np.float64)  # noqa: E731
+        h = _np_rmsnorm(x, p("attn_norm.scale"), cfg.rms_eps)
+        q = (h @ p("attn.wq.kernel")).reshape(t, cfg.n_heads, hd).transpose(1, 0, 2)
+        k = (h @ p("attn.wk.kernel")).reshape(t, cfg.n_kv_heads, hd).transpose(1, 0, 2)
+        v = (h @ p("attn.wv.kernel")).reshape(t, cfg.n_kv_heads, hd).transpose(1, 0, 2)
+        q = q * cos + _np_rotate_half(q) * sin
+        k = k * cos + _np_rotate_half(k) * sin
+        k, v = np.repeat(k, rep, axis=0), np.repeat(v, rep, axis=0)
+        s = q @ k.transpose(0, 2, 1) / np.sqrt(hd)
+        s = np.where(causal, s, -np.inf)
+        a = np.exp(s - s.max(-1, keepdims=True))
+        a /= a.sum(-1, keepdims=True)
+        o = (a @ v).transpose(1, 0, 2).reshape(t, -1)
+        x = x + o @ p("attn.wo.kernel")
+        h = _np_rmsnorm(x, p("mlp_norm.scale"), cfg.rms_eps)
+        g = h @ p("mlp.w1.kernel")
+        x = x + ((g / (1 + np.exp(-g))) * (h @ p("mlp.w3.kernel"))) @ p("mlp.w2.kernel")
+    x = _np_rmsnorm(x, flat["norm.scale"].astype(np.float64), cfg.rms_eps)
+    head = flat["embed.embedding"].T if cfg.tie_embeddings else flat["lm_head.kernel"]
+    return x @ head.astype(np.float64)
+
+
+def _flat_np(model):
+    return {k: np.asarray(v) for k, v in llama.flatten_params(llama.split(model)[1]).items()}
+
+
+# -- structure ------------------------------------------------------------------------
+
+
+def test_param_paths_read_naturally(model):
+    paths = set(llama.flatten_params(llama.split(model)[1]))
+    per_layer = {"attn_norm.scale", "attn.wq.kernel", "attn.wk.kernel", "attn.wv.kernel",
+                 "attn.wo.kernel", "mlp_norm.scale", "mlp.w1.kernel", "mlp.w2.kernel",
+                 "mlp.w3.kernel"}
+    expected = {"embed.embedding", "norm.scale", "lm_head.kernel"} | {
+        f"layers.{i}.{n}" for i in range(2) for n in per_layer}
+    assert paths == expected
+    # The lead's leaf_paths (pockjax.paths) names them the same way.
+    from pockjax.paths import leaf_paths
+
+    assert set(leaf_paths(llama.split(model)[1])) == expected
+
+
+def test_tied_model_has_no_lm_head():
+    m = _model(tie_embeddings=True)
+    assert "lm_head.kernel" not in llama.flatten_params(llama.split(m)[1])
+
+
+def test_scanned_paths_and_shapes():
+    m = _model(scan_layers=True)
+    flat = llama.flatten_params(llama.split(m)[1])
+    assert flat["layers.attn.wq.kernel"].shape == (2, 64, 64)
+    assert flat["layers.mlp.w2.kernel"].shape == (2, 96, 64)
+    assert flat["layers.attn_norm.scale"].shape == (2, 64)
+    assert LlamaConfig.tiny().num_params() == sum(int(np.prod(v.shape)) for v in flat.values())
+
+
+def test_config_rejects_bad_heads():
+    with pytest.raises(ValueError, match="multiple of"):
+        LlamaConfig.tiny(n_heads=4, n_kv_heads=3)
+
+
+# -- numerics ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_matches_numpy_hf_reference(tied):
+    m = _model(tie_embeddings=tied, rope_theta=500.0)
+    tokens = np.array([5, 17, 3, 99, 42, 7, 0, 127, 64])
+    ours = np.asarray(_fwd(m, jnp.asarray(tokens)[None]))[0]
+    ref = _np_forward(_flat_np(m), m.config, tokens)
+    np.testing.assert_allclose(ours, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_scan_layers_equals_unrolled(model):
+    tokens = jax.random.randint(jax.random.key(1), (2, 11), 0, 128)
+    expected = _fwd(model, tokens)
+    np.testing.assert_allclose(_fwd(stack_layers(model), tokens), expected, atol=1e-5)
+    built = llama.build_model(model.config.replace(scan_layers=True), _flat_np(model))
+    np.testing.assert_allclose(_fwd(built, tokens), expected, atol=1e-5)
+
+
+def test_kv_cache_decode_matches_full_forward(model):
+    tokens = jnp.array([[3, 9, 27, 81, 2, 6, 18, 54]])
+    full = _fwd(model, tokens)
+    cache = llama.init_cache(model.config, 1, 8)
+    valid = jnp.ones((1, 8), bool)
+    logits, cache = _decode(model, tokens[:, :5], jnp.arange(5)[None], cache, 0, valid)
+    steps = [logits]
+    for i in range(5, 8):
+        logits, cache = _decode(model, tokens[:, i:i + 1], jnp.array([[i]]), cache, i, valid)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5)
+
+
+def test_left_padding_with_mask_matches_unpadded(model):
+    tokens = jnp.array([[11, 12, 13, 14]])
+    padded = jnp.array([[0, 0, 0, 11, 12, 13, 14]])
+    mask = jnp.array([[0, 0, 0, 1, 1, 1, 1]])
+    np.testing.assert_allclose(_fwd(model, padded, mask)[:, 3:], _fwd(model, tokens), atol=1e-5)
+
+
+def test_split_apply_and_loss_gradients(model):
+    graphdef, params = llama.split(model)
+    tokens = jnp.array([[1, 2, 3, 4, 5]])
+    np.testing.assert_allclose(jax.jit(llama.apply, static_argnums=0)(graphdef, params, tokens),
+                               _fwd(model, tokens), atol=1e-6)
+    loss_mask = jnp.array([[0, 0, 1, 1, 0]])
+
+    def loss(p):
+        logits = llama.apply(graphdef, p, tokens[:, :-1])
+        return llama.next_token_loss(logits, tokens[:, 1:], loss_mask[:, 1:])
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    assert np.isfinite(float(value))
+    assert grads["layers"][0]["attn"]["wq"]["kernel"].shape == (64, 64)
+    assert float(jnp.abs(grads["layers"][1]["mlp"]["w2"]["kernel"]).sum()) > 0
+
+
+def test_bfloat16_compute_runs():
+    m = llama.Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    logits = _fwd(m, jnp.array([[1, 2, 3]]))
+    assert logits.dtype == jnp.float32
+    np.testing.assert_allclose(logits, _fwd(_model(), jnp.array([[1, 2, 3]])), atol=0.1)
+
+
+# -- generation -------------------------------------------------------------------
+
+
+def test_generate_batch_of_different_lengths_equals_one_by_one(model):
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [20], [30, 31, 32]]
+    batch = llama.generate(model, prompts, max_new_tokens=6)
+    alone = [llama.generate(model, [p], max_new_tokens=6)[0] for p in prompts]
+    assert batch == alone
+    # Greedy: each generated token is the argmax of the full forward pass over
+    # the prompt and the tokens before it (teacher forcing, one forward pass).
+    seq = prompts[0] + batch[0]
+    logits = _fwd(model, jnp.asarray([seq]))[0]
+    argmax = np.asarray(jnp.argmax(logits, -1))[len(prompts[0]) - 1:-1]
+    assert argmax.tolist() == batch[0]
+
+
+def test_generate_stops_at_stop_ids(model):
+    out = llama.generate(model, [[1, 2, 3]], max_new_tokens=6)[0]
+    stopped = llama.generate(model, [[1, 2, 3]], max_new_tokens=6, stop_ids=[out[2]])[0]
+    assert stopped == out[:out.index(out[2])]
+
+
+def test_sampling_is_seeded_and_top_p_small_is_greedy(model):
+    prompts = [[1, 2, 3], [4, 5]]
+    a = llama.generate(model, prompts, max_new_tokens=5, temperature=1.0, seed=3)
+    b = llama.generate(model, prompts, max_new_tokens=5, temperature=1.0, seed=3)
+    assert a == b
+    nucleus = llama.generate(model, prompts, max_new_tokens=5, temperature=0.7, top_p=1e-6)
+    assert nucleus == llama.generate(model, prompts, max_new_tokens=5)
+
+
+def test_generate_beyond_context_is_an_error(model):
+    with pytest.raises(ValueError, match="context of 64 tokens"):
+        llama.generate(model, [[1] * 60], max_new_tokens=8)
+
+
+def test_generate_text_with_byte_tokenizer(model):
+    tok = llama.Tokenizer.byte_level_for_tests()
+    m = _model(vocab=tok.vocab_size, max_seq_len=128)
+    out = llama.generate_text(m, tok, ["hi", "a longer prompt"], max_new_tokens=3)
+    assert len(out) == 2 and all(isinstance(o, str) for o in out)
+
+
+# -- Hugging Face checkpoint directories -------------------------------------------
+
+
+def test_hf_checkpoint_roundtrip(tmp_path):
+    m = _model()
+    llama.save_hf_checkpoint(m, tmp_path)
+    loaded = llama.load_hf_checkpoint(tmp_path)
+    tokens = jnp.array([[1, 5, 9]])
+    np.testing.assert_allclose(_fwd(loaded, tokens), _fwd(m, tokens), atol=1e-6)
+    scanned = llama.load_hf_checkpoint(tmp_path, scan_layers=True)
+    np.testing.assert_allclose(_fwd(scanned, tokens), _fwd(m, tokens), atol=1e-5)
+
+
+def test_hf_checkpoint_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        llama.load_hf_checkpoint(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        llama.load_hf_checkpoint(tmp_path)
+    llama.save_hf_checkpoint(_model(), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    with pytest.raises(llama.UnsupportedModelError, match="'gpt2' is not supported"):
+        llama.load_hf_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    st = tmp_path / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: os.path.getsize(st) // 2])
+    with pytest.raises(llama.CheckpointError, match="truncated"):
+        llama.load_hf_checkpoint(tmp_path)
+
+
+def test_hf_checkpoint_matches_transformers_live(tmp_path):
+    """Live: a tiny untied GQA model saved by pockjax, run by transformers."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    m = _model(rope_theta=1000.0)
+    llama.save_hf_checkpoint(m, tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tokens = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(_fwd(m, jnp.asarray(tokens))), ref, atol=2e-5)
