@@ -22,6 +22,7 @@ from pockjax.memory.liveness import (
     analyze,
     aval_bytes,
     format_bytes,
+    greedy_schedule,
 )
 from pockjax.memory.planner import Plan, XlaComparison, compare_with_xla, flat_roles, plan, xla_memory
 from pockjax.memory.plot import plot_timeline
@@ -41,6 +42,7 @@ __all__ = [
     "compare_with_xla",
     "flat_roles",
     "format_bytes",
+    "greedy_schedule",
     "peak_rss",
     "peak_rss_of_command",
     "plan",

@@ -69,6 +69,7 @@ __all__ = [
     "MemoryReport",
     "analyze",
     "aval_bytes",
+    "greedy_schedule",
     "format_bytes",
 ]
 
@@ -173,6 +174,7 @@ class _Value:
     input_index: int = -1
     def_node: int = -1  # -1 for inputs and consts
     dropped: bool = False
+    alias_of: int = -1  # the result of a non-copying identity of this value
 
 
 @dataclasses.dataclass
@@ -230,9 +232,10 @@ def _call_label(eqn: Any) -> str:
 class _Flattener:
     """Turns a (closed) jaxpr into a flat list of nodes over integer value ids."""
 
-    def __init__(self, inline_calls: bool, fuse: str):
+    def __init__(self, inline_calls: bool, fuse: str, alias_nodes: bool = False):
         self.inline_calls = inline_calls
         self.fuse = fuse
+        self.alias_nodes = alias_nodes  # one node per equation, also for identities
         self.values: list[_Value] = []
         self.nodes: list[_Node] = []
         self.var_ids: dict[int, int] = {}  # id(Var) -> value id, for hints
@@ -273,6 +276,21 @@ class _Flattener:
             ns_local = _name_stack_str(eqn.source_info)
             src = (eqn.source_info,) + sources
             ns = f"{name_stack}/{ns_local}" if name_stack and ns_local else (name_stack or ns_local)
+            if prim in _ALIAS_PRIMITIVES and len(eqn.invars) == len(eqn.outvars) and self.alias_nodes:
+                node_index = len(self.nodes)
+                outs = []
+                for ov, vid in zip(eqn.outvars, ins):
+                    if prim == _GRAD_TAG and vid is not None:
+                        self.grad_tagged.add(vid)
+                    o = self.new_value(
+                        ov.aval, "inter", def_node=node_index, alias_of=-1 if vid is None else vid
+                    )
+                    outs.append(o)
+                    if not isinstance(ov, jex_core.DropVar):
+                        self.bind(env, ov, o)
+                uniq = tuple(dict.fromkeys(v for v in ins if v is not None))
+                self.nodes.append(_Node(prim, path, ns, src, uniq, tuple(outs), phase=_phase_of(ns)))
+                continue
             if prim in _ALIAS_PRIMITIVES and len(eqn.invars) == len(eqn.outvars):
                 for ov, vid in zip(eqn.outvars, ins):
                     if vid is None:  # a literal passed through: give it a real value
@@ -437,11 +455,19 @@ class _Program:
                 self.pinned.add(vid)
         self.sizes = np.array([v.size for v in values], dtype=np.int64)
         self.fused = np.zeros(len(values), dtype=bool)
+        for vid in range(len(values) - 1, -1, -1):
+            src = values[vid].alias_of
+            if src >= 0:
+                # an identity's result is its operand's buffer, kept alive by its readers
+                self.fused[vid] = True
+                self.sizes[vid] = 0
+                if vid in self.pinned:
+                    self.pinned.add(src)
         if fuse not in FUSION_MODES:
             raise ValueError(f"fusion must be one of {FUSION_MODES}, got {fuse!r}")
         if fuse != "none":
             for vid, v in enumerate(values):
-                if v.kind != "inter" or vid in self.pinned or v.def_node < 0:
+                if v.kind != "inter" or vid in self.pinned or v.def_node < 0 or self.fused[vid]:
                     continue
                 prim = nodes[v.def_node].primitive
                 cons = self.consumers[vid]
@@ -727,6 +753,107 @@ def _normalise_donation(donate: Any, roles: Sequence[str], n: int) -> list[bool]
     return [bool(d) for d in donate]
 
 
+def _build(
+    jaxpr: Any,
+    in_roles: Sequence[str] | None,
+    out_roles: Sequence[str] | None,
+    donate: Any,
+    fusion: str,
+    inline_calls: bool,
+    const_role: str,
+    alias_nodes: bool = False,
+) -> tuple[_Flattener, _Program, list[int], dict[int, str]]:
+    """Flatten a (closed) jaxpr into a program over value ids."""
+    inner, consts = _open(jaxpr)
+    n_in = len(inner.invars)
+    roles = list(in_roles) if in_roles is not None else ["batch"] * n_in
+    if len(roles) != n_in:
+        raise ValueError(f"in_roles has {len(roles)} entries, the jaxpr has {n_in} inputs")
+    if out_roles is not None and len(out_roles) != len(inner.outvars):
+        raise ValueError(
+            f"out_roles has {len(out_roles)} entries, the jaxpr has {len(inner.outvars)} outputs"
+        )
+    donated = _normalise_donation(donate, roles, n_in)
+
+    fl = _Flattener(inline_calls, fusion, alias_nodes)
+    env: dict = {}
+    const_cat = ROLE_CATEGORY.get(const_role, "weights")
+    for cv, c in zip(inner.constvars, consts):
+        fl.add_const(env, cv, c, const_cat)
+    in_ids = []
+    for i, (iv, role) in enumerate(zip(inner.invars, roles)):
+        vid = fl.new_value(iv.aval, "input", role_category=ROLE_CATEGORY.get(role, "batch"), input_index=i)
+        in_ids.append(vid)
+        fl.bind(env, iv, vid)
+    fl.run(inner, env, "", "", const_cat)
+
+    out_ids: list[int] = []
+    out_cat: dict[int, str] = {}
+    for j, ov in enumerate(inner.outvars):
+        vid = fl.read(env, ov)
+        if vid is None:
+            continue
+        out_ids.append(vid)
+        role = out_roles[j] if out_roles is not None else None
+        out_cat.setdefault(vid, ROLE_CATEGORY.get(role, "output") if role else "output")
+    prog = _Program(fl.values, fl.nodes, in_ids, out_ids, donated, fusion)
+    return fl, prog, out_ids, out_cat
+
+
+def greedy_schedule(
+    jaxpr: Any,
+    in_roles: Sequence[str] | None = None,
+    *,
+    donate: bool | Iterable[str] | Sequence[bool] | None = None,
+    fusion: str = "xla",
+    keep_if_worse: bool = True,
+) -> tuple[list[int], int, int]:
+    """A memory-lowering order of a jaxpr's top-level equations.
+
+    List scheduling: among the equations whose operands are ready, run the one that
+    grows live memory the least (bytes of its results minus bytes of operands it reads
+    last). Nested calls and control flow stay single steps; the peak is the one
+    :func:`analyze` reports with ``inline_calls=False``.
+
+    Args:
+      jaxpr: a ``ClosedJaxpr`` / ``Jaxpr`` (or a TrainGraph-like object with
+        ``closed_jaxpr`` and ``in_roles``).
+      in_roles: one role per input (used for ``donate`` by role).
+      donate: as in :func:`analyze`.
+      fusion: as in :func:`analyze`.
+      keep_if_worse: return the given order when the greedy one has a higher peak, so
+        that the result never makes the peak worse.
+
+    Returns:
+      ``(order, peak_before, peak_after)``: a permutation of
+      ``range(len(jaxpr.eqns))`` that is a valid topological order, and the peaks (bytes)
+      of the given order and of the returned one.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> def f(x):       # two big temporaries, each reduced to a scalar
+      ...     a = jnp.broadcast_to(x, (64, 256)); b = jnp.broadcast_to(x * 2.0, (64, 256))
+      ...     return a.sum() + b.sum()
+      >>> cj = jax.make_jaxpr(f)(jnp.ones(256, jnp.float32))
+      >>> order, before, after = greedy_schedule(cj, fusion="none")
+      >>> [cj.jaxpr.eqns[i].primitive.name for i in order]
+      ['mul', 'broadcast_in_dim', 'reduce_sum', 'broadcast_in_dim', 'reduce_sum', 'add']
+      >>> before, after
+      (133120, 67584)
+    """
+    if hasattr(jaxpr, "closed_jaxpr"):
+        in_roles = in_roles if in_roles is not None else getattr(jaxpr, "in_roles", None)
+        jaxpr = jaxpr.closed_jaxpr
+    _, prog, _, _ = _build(jaxpr, in_roles, None, donate, fusion, False, "param", alias_nodes=True)
+    given = list(range(len(prog.nodes)))
+    order = prog.greedy_order()
+    before = int(prog.totals(given).max()) if given else 0
+    after = int(prog.totals(order).max()) if order else 0
+    if keep_if_worse and after > before:
+        return given, before, before
+    return order, before, after
+
+
 def analyze(
     jaxpr: Any,
     in_roles: Sequence[str] | None = None,
@@ -796,43 +923,10 @@ def analyze(
         in_roles = in_roles if in_roles is not None else getattr(graph, "in_roles", None)
         out_roles = out_roles if out_roles is not None else getattr(graph, "out_roles", None)
         in_paths = in_paths if in_paths is not None else getattr(graph, "in_paths", None)
-    inner, consts = _open(jaxpr)
-    n_in = len(inner.invars)
-    roles = list(in_roles) if in_roles is not None else ["batch"] * n_in
-    if len(roles) != n_in:
-        raise ValueError(f"in_roles has {len(roles)} entries, the jaxpr has {n_in} inputs")
-    if out_roles is not None and len(out_roles) != len(inner.outvars):
-        raise ValueError(
-            f"out_roles has {len(out_roles)} entries, the jaxpr has {len(inner.outvars)} outputs"
-        )
     if schedule not in ("program", "greedy"):
         raise ValueError(f"schedule must be 'program' or 'greedy', got {schedule!r}")
-    donated = _normalise_donation(donate, roles, n_in)
-
-    fl = _Flattener(inline_calls, fusion)
-    env: dict = {}
-    const_cat = ROLE_CATEGORY.get(const_role, "weights")
-    for cv, c in zip(inner.constvars, consts):
-        fl.add_const(env, cv, c, const_cat)
-    in_ids = []
-    for i, (iv, role) in enumerate(zip(inner.invars, roles)):
-        vid = fl.new_value(iv.aval, "input", role_category=ROLE_CATEGORY.get(role, "batch"), input_index=i)
-        in_ids.append(vid)
-        fl.bind(env, iv, vid)
-    fl.run(inner, env, "", "", const_cat)
-
-    out_ids: list[int] = []
-    out_cat: dict[int, str] = {}
-    for j, ov in enumerate(inner.outvars):
-        vid = fl.read(env, ov)
-        if vid is None:
-            continue
-        out_ids.append(vid)
-        role = out_roles[j] if out_roles is not None else None
-        out_cat.setdefault(vid, ROLE_CATEGORY.get(role, "output") if role else "output")
-
+    fl, prog, out_ids, out_cat = _build(jaxpr, in_roles, out_roles, donate, fusion, inline_calls, const_role)
     values, nodes = fl.values, fl.nodes
-    prog = _Program(values, nodes, in_ids, out_ids, donated, fusion)
 
     # ---- categories ------------------------------------------------------------------
     phases = np.array([n.phase for n in nodes], dtype=np.int8)
@@ -901,7 +995,7 @@ def analyze(
             origin = f"{dn.path + '/' if dn.path else ''}{dn.primitive} at {_describe_source(dn.source_info)}"
         live_values.append(LiveValue(int(prog.sizes[vid]), CATEGORIES[cat[vid]], _aval_str(v.aval), origin))
 
-    input_bytes = int(sum(values[v].size for v in in_ids)) + int(
+    input_bytes = int(sum(values[v].size for v in prog.in_ids)) + int(
         sum(v.size for v in values if v.kind == "const")
     )
     output_bytes = int(sum(values[v].size for v in set(out_ids)))
