@@ -1,0 +1,220 @@
+"""Turning chat examples into fixed-shape training batches.
+
+A training row is the chat prompt (rendered by the tokenizer's chat template,
+ending with the assistant header), then the answer, then the end-of-turn token
+(``<|im_end|>`` for ChatML models, else EOS), right-padded to ``seq_len``:
+
+* ``tokens``    int32 ``(batch, seq_len)``: the model input;
+* ``targets``   int32 ``(batch, seq_len)``: ``tokens`` shifted left by one
+  (position ``t`` predicts ``targets[t]``);
+* ``loss_mask`` float32 ``(batch, seq_len)``: 1 where ``targets[t]`` is an
+  answer token or the end-of-turn token, 0 on the prompt and on padding;
+* ``mask``      int32 ``(batch, seq_len)``: 1 on real tokens, 0 on padding.
+
+Right padding needs no attention mask for the real tokens (causal attention
+never looks ahead), so ``model(batch["tokens"])`` and
+``next_token_loss(logits, batch["targets"], batch["loss_mask"])`` are enough.
+
+:class:`Batcher` shuffles deterministically from a seed, and ``batch(step)``
+depends only on ``(seed, step)``, so a resumed run sees the same batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from pockjax.data.tasks import Example
+
+__all__ = ["Batcher", "SequenceLengthError", "collate", "encode_example", "end_of_turn_id"]
+
+
+class SequenceLengthError(ValueError):
+    """An example, or the requested sequence length, does not fit."""
+
+
+def end_of_turn_id(tokenizer: Any) -> int:
+    """The id that ends an assistant turn: ``<|im_end|>`` if the vocabulary has it, else EOS.
+
+    Example:
+      >>> from pockjax.models.llama import Tokenizer
+      >>> end_of_turn_id(Tokenizer.byte_level_for_tests())
+      258
+    """
+    tid = tokenizer.token_to_id("<|im_end|>")
+    if tid is None:
+        tid = tokenizer.eos_id
+    if tid is None:
+        raise ValueError("the tokenizer has neither <|im_end|> nor an EOS token")
+    return int(tid)
+
+
+def encode_example(tokenizer: Any, example: Example, system: str | None = None
+                   ) -> tuple[list[int], int]:
+    """Token ids of prompt + answer + end-of-turn, and the number of prompt ids.
+
+    The prompt is encoded exactly as generation will see it (chat template with
+    the generation prompt); the answer is encoded on its own and appended.
+
+    Example:
+      >>> from pockjax.models.llama import Tokenizer
+      >>> tok = Tokenizer.byte_level_for_tests()
+      >>> ids, n_prompt = encode_example(tok, Example("hi", "yo"))
+      >>> tok.decode(ids[n_prompt:])
+      'yo<|im_end|>'
+    """
+    prompt = tokenizer.apply_chat_template(example.messages(system), add_generation_prompt=True)
+    answer = tokenizer.encode(example.answer, add_bos=False)
+    return list(prompt) + list(answer) + [end_of_turn_id(tokenizer)], len(prompt)
+
+
+def collate(rows: Sequence[tuple[Sequence[int], int]], seq_len: int, pad_id: int
+            ) -> dict[str, np.ndarray]:
+    """Pads encoded rows into a batch dict (see the module docstring).
+
+    Args:
+      rows: ``(ids, n_prompt)`` pairs from :func:`encode_example`.
+      seq_len: Row length; every ``ids`` must fit.
+      pad_id: Padding id.
+
+    Raises:
+      SequenceLengthError: a row is longer than ``seq_len``.
+
+    Example:
+      >>> b = collate([([5, 6, 7, 8], 2)], seq_len=6, pad_id=0)
+      >>> b["tokens"].tolist(), b["targets"].tolist()
+      ([[5, 6, 7, 8, 0, 0]], [[6, 7, 8, 0, 0, 0]])
+      >>> b["loss_mask"].tolist(), b["mask"].tolist()
+      ([[0.0, 1.0, 1.0, 0.0, 0.0, 0.0]], [[1, 1, 1, 1, 0, 0]])
+    """
+    n = len(rows)
+    tokens = np.full((n, seq_len), pad_id, np.int32)
+    targets = np.full((n, seq_len), pad_id, np.int32)
+    loss_mask = np.zeros((n, seq_len), np.float32)
+    mask = np.zeros((n, seq_len), np.int32)
+    for i, (ids, n_prompt) in enumerate(rows):
+        length = len(ids)
+        if length > seq_len:
+            raise SequenceLengthError(f"row {i} has {length} tokens, more than seq_len={seq_len}")
+        tokens[i, :length] = ids
+        targets[i, :length - 1] = ids[1:]
+        # targets[t] = ids[t + 1] is an answer token when t + 1 >= n_prompt.
+        loss_mask[i, max(n_prompt - 1, 0):length - 1] = 1.0
+        mask[i, :length] = 1
+    return {"tokens": tokens, "targets": targets, "loss_mask": loss_mask, "mask": mask}
+
+
+class Batcher:
+    """Deterministic, resumable batches of chat examples with a fixed shape.
+
+    Args:
+      tokenizer: A :class:`pockjax.models.llama.Tokenizer`.
+      examples: The training examples.
+      batch_size: Rows per batch.
+      seq_len: Row length; ``None``: the longest example rounded up to a
+        multiple of 16.
+      seed: Shuffling seed.
+      max_seq_len: The model's context (``model.config.max_seq_len``); a
+        ``seq_len`` beyond it is an error.
+      system: Optional system message for every example.
+      truncate: Cut over-long examples (keeping the prompt's start) instead of
+        raising.
+
+    Raises:
+      SequenceLengthError: ``seq_len`` exceeds ``max_seq_len``, or an example
+        is longer than ``seq_len`` (the message names the example and the
+        length needed).
+
+    Example:
+      >>> from pockjax.models.llama import Tokenizer
+      >>> from pockjax.data.tasks import make_examples
+      >>> tok = Tokenizer.byte_level_for_tests()
+      >>> b = Batcher(tok, make_examples("add", 10, seed=0), batch_size=4, seed=0)
+      >>> b.seq_len, b.batch(0)["tokens"].shape
+      (80, (4, 80))
+      >>> bool((b.batch(7)["tokens"] == b.batch(7)["tokens"]).all())
+      True
+    """
+
+    def __init__(self, tokenizer: Any, examples: Sequence[Example], *, batch_size: int,
+                 seq_len: int | None = None, seed: int = 0, max_seq_len: int | None = None,
+                 system: str | None = None, truncate: bool = False):
+        if not examples:
+            raise ValueError("no training examples")
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        self.examples = list(examples)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+        self.rows = [encode_example(tokenizer, ex, system) for ex in self.examples]
+        self.longest = max(len(ids) for ids, _ in self.rows)
+        if seq_len is None:
+            seq_len = -(-self.longest // 16) * 16
+            if max_seq_len is not None and seq_len > max_seq_len and (
+                    truncate or self.longest <= max_seq_len):
+                seq_len = max_seq_len
+        if max_seq_len is not None and seq_len > max_seq_len:
+            raise SequenceLengthError(
+                f"sequence length {seq_len} exceeds the model's context of {max_seq_len}"
+                f" tokens" + (f" (the longest example needs {self.longest})"
+                              if self.longest > max_seq_len else ""))
+        too_long = [(i, len(ids)) for i, (ids, _) in enumerate(self.rows) if len(ids) > seq_len]
+        if too_long and not truncate:
+            i, n = max(too_long, key=lambda x: x[1])
+            raise SequenceLengthError(
+                f"{len(too_long)} example(s) exceed seq_len={seq_len}; the longest, example"
+                f" {i}, needs {n} tokens (prompt {self.rows[i][1]}): raise seq_len"
+                f" to at least {n} or pass truncate=True")
+        if truncate:
+            self.rows = [(ids[:seq_len], min(n_prompt, seq_len)) for ids, n_prompt in self.rows]
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        """Batches per epoch (the last partial batch wraps into the next epoch)."""
+        return -(-len(self.rows) // self.batch_size)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        cache = self.__dict__.setdefault("_orders", {})
+        if epoch not in cache:
+            if len(cache) > 4:
+                cache.clear()
+            cache[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+        return cache[epoch]
+
+    def indices(self, step: int) -> list[int]:
+        """Example indices of batch ``step``: a fresh permutation each epoch, no drops."""
+        n = len(self.rows)
+        start = step * self.batch_size
+        out = []
+        for k in range(start, start + self.batch_size):
+            epoch, pos = divmod(k, n)
+            out.append(int(self._order(epoch)[pos]))
+        return out
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        """The batch for training step ``step`` (a pure function of seed and step)."""
+        return collate([self.rows[i] for i in self.indices(step)], self.seq_len, self.pad_id)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        """Batches for steps 0, 1, 2, ... forever."""
+        step = 0
+        while True:
+            yield self.batch(step)
+            step += 1
+
+    def stats(self) -> dict[str, float]:
+        """Token counts: mean row length, mean answer tokens, padding fraction.
+
+        Example:
+          >>> from pockjax.models.llama import Tokenizer
+          >>> b = Batcher(Tokenizer.byte_level_for_tests(), [Example("hi", "yo")], batch_size=1)
+          >>> b.stats()["answer_tokens"]
+          3.0
+        """
+        lengths = np.array([len(ids) for ids, _ in self.rows])
+        answers = np.array([len(ids) - n for ids, n in self.rows])
+        return {"examples": float(len(self.rows)), "mean_length": float(lengths.mean()),
+                "max_length": float(lengths.max()), "answer_tokens": float(answers.mean()),
+                "padding_fraction": float(1 - lengths.mean() / self.seq_len)}
