@@ -80,7 +80,6 @@ def _draw(
     ax.set_ylabel(f"live memory ({unit_name})")
     ax.set_xlim(0, max(report.n_eqns - 1, 1))
     ax.set_ylim(0, (ymax or peak) * 1.08 + 1e-12)
-    ax.legend(loc="upper right", fontsize=7, frameon=False)
 
 
 def plot_timeline(
@@ -136,7 +135,13 @@ def plot_timeline(
         fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(13, 4), sharey=True)
         _draw(ax0, before, titles[0], unit, unit_name, peak / unit, max_points)
         _draw(ax1, report, titles[1] if len(titles) > 1 else "", unit, unit_name, peak / unit, max_points)
-    fig.tight_layout()
+    handles: dict[str, Any] = {}
+    for a in fig.axes:
+        for h, lab in zip(*a.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    order = [c.replace("_", " ") for c in report.categories if c.replace("_", " ") in handles]
+    fig.legend([handles[k] for k in order], order, loc="lower center", ncol=len(order), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     written = []
     for t in targets:
         os.makedirs(os.path.dirname(os.path.abspath(t)), exist_ok=True)
