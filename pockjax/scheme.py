@@ -239,6 +239,8 @@ class UpdateScheme:
         ``(pattern, rule)`` pairs. The first matching pattern wins.
       default: the rule for paths no pattern matches (``"frozen"`` unless said).
       name: an optional label shown by :meth:`describe`.
+      strict: a pattern that matches no parameter is an error (default). The
+        built-in families (``norm_only``...) relax it for optional patterns.
 
     Example:
         >>> import numpy as np, pockjax
@@ -259,6 +261,7 @@ class UpdateScheme:
         rules: Union[Mapping[str, RuleLike], Sequence[tuple[str, RuleLike]], None] = None,
         default: RuleLike = "frozen",
         name: str | None = None,
+        strict: bool = True,
     ):
         items = list(rules.items()) if isinstance(rules, Mapping) else list(rules or [])
         for item in items:
@@ -267,6 +270,7 @@ class UpdateScheme:
         self.rules: tuple[tuple[str, Rule], ...] = tuple((p, as_rule(r)) for p, r in items)
         self.default: Rule = as_rule(default)
         self.name = name
+        self.strict = strict
         self._compiled = tuple((_glob_to_regex(p), p, r) for p, r in self.rules)
 
     # -- constructors for the common schemes ---------------------------------
@@ -283,7 +287,7 @@ class UpdateScheme:
     @classmethod
     def norm_only(cls) -> "UpdateScheme":
         """Only normalisation scales and biases (for LLaMA: RMSNorm scales)."""
-        return cls({"**.*norm*.scale": "full", "**.*norm*.bias": "full"}, name="norm-only")
+        return cls({"**.*norm*.scale": "full", "**.*norm*.bias": "full"}, name="norm-only", strict=False)
 
     # -- resolution ------------------------------------------------------------
     def rule_for(self, path: str) -> tuple[Rule, str | None]:
@@ -310,7 +314,7 @@ class UpdateScheme:
             else:
                 out.append(rule)
         unmatched = [p for p, _ in self.rules if p not in used]
-        if unmatched:
+        if unmatched and (self.strict or len(unmatched) == len(self.rules)):
             lines = []
             for p in unmatched:
                 close = difflib.get_close_matches(p, list(paths), n=5, cutoff=0.3)

@@ -146,6 +146,21 @@ def _nested_rule(rules: dict[int, RuleOf]):
     return rule
 
 
+def _is_exact_update(eqn, out_demand) -> bool:
+    """Whether ``out_demand`` selects exactly the region a dynamic_update_slice wrote."""
+    if eqn.primitive.name != "dynamic_update_slice" or not isinstance(out_demand, ChannelSelect):
+        return False
+    if not out_demand.is_contiguous:
+        return False
+    operand, update, *starts = eqn.invars
+    expected = slicing.sliced_shape(out_demand, operand.aval.shape)
+    if tuple(update.aval.shape) != tuple(expected) or not all(isinstance(v, C.Literal) for v in starts):
+        return False
+    want = [0] * len(starts)
+    want[out_demand.axis] = out_demand.start
+    return [int(v.val) for v in starts] == want
+
+
 def _is_tag(eqn) -> bool:
     return eqn.primitive in tags.TAG_PRIMITIVES
 
@@ -271,6 +286,11 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
             modes[k] = ("identity", outs[0])
             request(eqn.invars[0], outs[0] if outs[0] != "dead" else None)
             continue
+        if _is_exact_update(eqn, outs[0]):
+            # the selected channels of dynamic_update_slice(x, update) are `update`
+            modes[k] = ("forward_update",)
+            request(eqn.invars[1], None)
+            continue
         if len(outs) == 1 and isinstance(outs[0], ChannelSelect) and eqn.primitive.name in PUSH_RULES:
             pushed = PUSH_RULES[eqn.primitive.name](eqn, outs[0])
             if pushed is not None:
@@ -282,6 +302,9 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
         modes[k] = ("full",)
         for v in eqn.invars:
             request(v, None)
+
+    def demand_of_update(eqn):
+        return demand(eqn.outvars[0])
 
     for i in range(len(invars)):
         if i in dropped_inputs and requests.get(invars[i]):
@@ -340,6 +363,8 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
                     write(eqn.outvars[0], None, ZeroValue(tuple(eqn.outvars[0].aval.shape), part.dtype))
                 else:
                     write(eqn.outvars[0], None, slicing.pad(sel, part, eqn.outvars[0].aval.shape))
+            elif kind == "forward_update":
+                write(eqn.outvars[0], demand_of_update(eqn), read(eqn.invars[1], None))
             elif kind == "identity":
                 form = mode[1] if mode[1] != "dead" else None
                 value = read(eqn.invars[0], form)
