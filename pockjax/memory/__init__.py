@@ -24,7 +24,15 @@ from pockjax.memory.liveness import (
     format_bytes,
     greedy_schedule,
 )
-from pockjax.memory.planner import Plan, XlaComparison, compare_with_xla, flat_roles, plan, xla_memory
+from pockjax.memory.planner import (
+    Plan,
+    XlaComparison,
+    compare_report,
+    compare_with_xla,
+    flat_roles,
+    plan,
+    xla_memory,
+)
 from pockjax.memory.plot import plot_timeline
 from pockjax.memory.rss import RssResult, peak_rss, peak_rss_of_command
 
@@ -39,6 +47,7 @@ __all__ = [
     "XlaComparison",
     "analyze",
     "aval_bytes",
+    "compare_report",
     "compare_with_xla",
     "flat_roles",
     "format_bytes",

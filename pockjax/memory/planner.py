@@ -15,7 +15,7 @@ import jax
 
 from pockjax.memory.liveness import MemoryReport, analyze, format_bytes
 
-__all__ = ["Plan", "XlaComparison", "plan", "xla_memory", "compare_with_xla", "flat_roles"]
+__all__ = ["Plan", "XlaComparison", "plan", "xla_memory", "compare_with_xla", "compare_report", "flat_roles"]
 
 _STATE_ROLES = ("param", "opt_state", "model_state")
 
@@ -335,3 +335,31 @@ def compare_with_xla(
     t1 = time.perf_counter()
     x = xla_memory(compiled)
     return XlaComparison(p, x, p.peak_bytes / max(x["total"], 1), t1 - t0)
+
+
+def compare_report(report: MemoryReport | Plan, compiled: Any) -> dict[str, float]:
+    """A planner report next to XLA's figures for the same (already compiled) step.
+
+    For a ``CompiledStep.memory_report()``: analyse the step's graph with the donation
+    it was compiled with, then compare with the executable it was compiled to.
+
+    Args:
+      report: a :class:`~pockjax.memory.MemoryReport` (or a :class:`Plan`).
+      compiled: the ``jax.stages.Compiled`` of the same step.
+
+    Returns:
+      :func:`xla_memory`'s fields plus ``planner_peak_bytes`` and ``ratio``
+      (planner peak / XLA total).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from pockjax.memory import analyze
+      >>> f = lambda x: jnp.cos(jnp.sin(x))
+      >>> x = jax.ShapeDtypeStruct((1024,), jnp.float32)
+      >>> d = compare_report(analyze(jax.make_jaxpr(f)(x)), jax.jit(f).lower(x).compile())
+      >>> d["planner_peak_bytes"], d["total"], d["ratio"]
+      (8192, 8192, 1.0)
+    """
+    peak = report.peak_bytes
+    x = xla_memory(compiled)
+    return {**x, "planner_peak_bytes": peak, "ratio": peak / max(x["total"], 1)}
