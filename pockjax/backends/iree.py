@@ -89,6 +89,8 @@ class Workaround:
       applies_to: backends (``llvm-cpu``, ``cuda``...) it is applied for by default.
       flags: extra ``iree-compile`` flags.
       rewrite: optional StableHLO text -> text rewrite.
+      fun_rewrite: optional ``(fun, flat_avals) -> fun`` graph rewrite applied
+        before export (see :mod:`pockjax.backends.iree_rewrites`).
       why: what goes wrong and why this helps.
     """
 
@@ -97,6 +99,7 @@ class Workaround:
     applies_to: tuple[str, ...]
     flags: tuple[str, ...] = ()
     rewrite: Callable[[str], str] | None = None
+    fun_rewrite: Callable[[Callable, Sequence[Any]], Callable] | None = None
     why: str = ""
 
 
@@ -115,12 +118,35 @@ _register(
         applies_to=("cuda",),
         flags=("--iree-codegen-llvmgpu-use-reduction-vector-distribution=false",),
         why=(
-            "The backward of a cross-entropy written with take_along_axis is a scatter-add of "
-            "-1/N into zeros followed by row sums. IREE 3.13's LLVMGPU reduction "
-            "vector-distribution pipeline picks that dispatch and fails to tile it "
+            "The backward of log-softmax cross-entropy sums the incoming gradient over each "
+            "row (fused with the scatter-add or select that produced it). IREE 3.13's LLVMGPU "
+            "reduction vector-distribution pipeline picks that dispatch and fails to tile it "
             "('failed to get neutral element for reduction', 'tiling of level PartialReduction "
             "failed'). Turning that pipeline off makes IREE use its generic GPU reduction "
             "lowering, which compiles it."
+        ),
+    )
+)
+
+
+def _scatter_rewrite(fun, flat_avals):
+    from pockjax.backends import iree_rewrites
+
+    return iree_rewrites.scatter_add_to_select(fun, flat_avals)
+
+
+_register(
+    Workaround(
+        name="scatter-add-to-select",
+        symptom="op expected indices to be equal to batch rank or batch rank + 1",
+        applies_to=("llvm-cpu", "vmvx", "vulkan-spirv", "cuda"),
+        fun_rewrite=_scatter_rewrite,
+        why=(
+            "The backward of take_along_axis (cross-entropy picking the target log-prob) is a "
+            "scatter-add into zeros. With batch size 1 JAX emits it with a size-1 window dim next "
+            "to a batching dim, which IREE's StableHLO conversion rejects on every backend. Each "
+            "logit gets at most one update, so the scatter is rewritten as operand + "
+            "where(iota == index, update, 0). See pockjax.backends.iree_rewrites."
         ),
     )
 )
@@ -207,7 +233,9 @@ def make_signature(
     By default the first ``k`` outputs (``k`` = number of state inputs) are
     the new values of the state inputs, in order, which is what a
     ``(params, opt_state, batch) -> (params, opt_state, aux...)`` step
-    flattens to. Pass ``state_outputs={out_index: in_index}`` otherwise.
+    flattens to. Pass ``state_outputs={out_index: in_index}`` otherwise; a
+    state input that no output replaces (a frozen weight the caller forwards
+    itself) is read-only state: uploaded once and left on the device.
     """
     n = len(flat_avals)
     state_mask = list(state_mask) if state_mask is not None else [False] * n
@@ -238,9 +266,8 @@ def make_signature(
             outputs.append(TensorSpec(output_names[o], tuple(a.shape), _dtype_name(a.dtype), "state", i))
         else:
             outputs.append(TensorSpec(output_names[o], tuple(a.shape), _dtype_name(a.dtype), "aux"))
-    missing = set(state_in) - set(state_outputs.values())
-    if missing:
-        raise ValueError(f"state inputs {sorted(missing)} have no output that replaces them")
+    # State inputs that no output replaces (frozen weights whose graph output just forwards
+    # the input) are read-only state: uploaded once, never changed.
     return inputs, outputs
 
 
@@ -356,11 +383,14 @@ def compile_flat(
         raise ValueError(f"unknown workarounds {unknown}; known: {sorted(WORKAROUNDS)}")
 
     out_shapes = jax.eval_shape(fun, *[jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in flat_avals])
-    out_avals = list(out_shapes) if isinstance(out_shapes, (list, tuple)) else [out_shapes]
+    out_avals = jax.tree.leaves(out_shapes)
     inputs, outputs = make_signature(
         flat_avals, out_avals, state_mask, input_names=input_names, output_names=output_names,
         state_outputs=state_outputs,
     )
+    for n in names:
+        if WORKAROUNDS[n].fun_rewrite is not None:
+            fun = WORKAROUNDS[n].fun_rewrite(fun, flat_avals)
     text = export_stablehlo(fun, flat_avals)
     flags: list[str] = []
     for n in names:
