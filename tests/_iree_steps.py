@@ -274,3 +274,9 @@ def max_abs_diff(state, ref_state):
     return max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))) for a, b in zip(state, ref_state))
 
 
+
+
+def jax_tree_params(fs: FlatStep, flat_state):
+    """The params pytree from a flat state list (params leaves come first)."""
+    n = len(jax.tree.leaves(fs.params))
+    return jax.tree.unflatten(jax.tree.structure(fs.params), [jnp.asarray(a) for a in flat_state[:n]])

@@ -227,3 +227,47 @@ def test_arm64_export_runs_through_iree_run_module_under_qemu(tmp_path):
     losses = [float(mod.step(*[np.asarray(b) for b in fs.batches[i]])[0]) for i in range(3)]
     ref_losses, ref_state = fs.reference(3)
     S.assert_matches(fs, losses, list(mod.get_state().values()), ref_losses, ref_state)
+
+
+# ---------------------------------------------------------------------------
+# State in module globals read by name from a parameter archive
+# ---------------------------------------------------------------------------
+
+
+def _mlp_eval_step():
+    """Loss only: every param is read-only state (the 'generate'-style second module)."""
+    import jax
+
+    fs = S.mlp_step()
+    n_params = len(jax.tree.leaves(fs.params))
+
+    def eval_loss(*flat):
+        params = jax.tree.unflatten(jax.tree.structure(fs.params), flat[:n_params])
+        return (S.mlp_loss(params, *flat[n_params:]),)
+
+    avals = fs.flat_avals[:n_params] + fs.flat_avals[fs.n_state:]
+    names = fs.input_names[:n_params] + fs.input_names[fs.n_state:]
+    return eval_loss, avals, [i < n_params for i in range(len(avals))], names
+
+
+def test_parameter_backed_state_matches_jit_and_shares_one_archive(tmp_path):
+    fs = S.mlp_step()
+    train = piree.compile_flat(fs.flat_fun, fs.flat_avals, "cpu", state_mask=fs.state_mask,
+                               input_names=fs.input_names, state_storage="parameters")
+    d = piree.export_module(train, tmp_path / "train", weights=fs.flat_state())
+    mod = runtime.load(d)
+    losses = [float(mod.step(*[np.asarray(b) for b in fs.batches[i % 3]])[0]) for i in range(5)]
+    ref_losses, ref_state = fs.reference(5)
+    S.assert_matches(fs, losses, list(mod.get_state().values()), ref_losses, ref_state)
+
+    # A second module (loss only, all weights read-only) reads the same archive by name.
+    mod.save_weights(tmp_path / "shared.irpa")
+    fun, avals, mask, names = _mlp_eval_step()
+    ev = piree.compile_flat(fun, avals, "cpu", state_mask=mask, input_names=names, state_outputs={},
+                            state_storage="parameters")
+    e = runtime.load(piree.export_module(ev, tmp_path / "eval", weights_file=str(tmp_path / "shared.irpa")))
+    x, y = (np.asarray(b) for b in fs.batches[0])
+    trained = S.jax_tree_params(fs, ref_state)
+    np.testing.assert_allclose(e.step(x, y)[0], S.mlp_loss(trained, x, y), rtol=1e-5)
+    with pytest.raises(runtime.InputError, match="read-only"):
+        e.set_state({names[0]: np.zeros(avals[0].shape, np.float32)})

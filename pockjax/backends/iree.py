@@ -215,6 +215,91 @@ def compile_stablehlo(
         ) from None
 
 
+_MLIR_ELEMENT = {
+    "float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64",
+    "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64",
+    "uint8": "ui8", "uint16": "ui16", "uint32": "ui32", "uint64": "ui64", "bool": "i1",
+}
+
+
+def _tensor_type(spec: TensorSpec) -> str:
+    if spec.dtype not in _MLIR_ELEMENT:
+        raise ValueError(f"{spec.name}: dtype {spec.dtype} is not supported for parameter-backed state")
+    dims = "".join(f"{d}x" for d in spec.shape)
+    return f"tensor<{dims}{_MLIR_ELEMENT[spec.dtype]}>"
+
+
+def _mlir_string(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def wrap_state_as_parameters(
+    mlir_text: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], scope: str = "model"
+) -> str:
+    """Rewrites an exported step so its state lives in module globals read from named parameters.
+
+    The exported ``main(*state, *batch) -> (*new_state, *aux)`` becomes the
+    private ``@pockjax_step``; a new public ``main(*batch) -> (*aux)`` loads
+    each state global, calls it, stores the new state and returns the aux
+    outputs. Each state input ``name`` is a ``util.global`` initialised from
+    ``#flow.parameter.named<scope::name>``, so IREE's io_parameters module
+    fills it from a parameter archive (``.irpa``) when the module is loaded;
+    state that no output replaces (frozen weights) is an immutable global.
+    ``get_state() -> (*state)`` and ``set_state(*mutable_state)`` read and write
+    it.
+    """
+    header = "func.func public @main("
+    if mlir_text.count(header) != 1:
+        raise ValueError("expected exactly one public @main in the exported module")
+    text = mlir_text.replace(header, "func.func private @pockjax_step(", 1)
+    state_idx = [i for i, s in enumerate(inputs) if s.role == "state"]
+    batch_idx = [i for i, s in enumerate(inputs) if s.role != "state"]
+    stored = {o.state_index: k for k, o in enumerate(outputs) if o.role == "state"}
+    mutable = [i for i in state_idx if i in stored]
+    aux_idx = [k for k, o in enumerate(outputs) if o.role != "state"]
+    ty_in = [_tensor_type(s) for s in inputs]
+    ty_out = [_tensor_type(o) for o in outputs]
+    lines = []
+    for i in state_idx:
+        mut = " mutable" if i in stored else ""
+        lines.append(
+            f"  util.global private{mut} @pockjax_state_{i} = "
+            f"#flow.parameter.named<{_mlir_string(scope)}::{_mlir_string(inputs[i].name)}> : {ty_in[i]}"
+        )
+    # main(*batch) -> (*aux)
+    args = ", ".join(f"%b{i}: {ty_in[i]}" for i in batch_idx)
+    res = ", ".join(ty_out[k] for k in aux_idx)
+    body = [f"  func.func public @main({args}) -> ({res}) {{"]
+    for i in state_idx:
+        body.append(f"    %s{i} = util.global.load @pockjax_state_{i} : {ty_in[i]}")
+    operands = ", ".join(f"%s{i}" if inputs[i].role == "state" else f"%b{i}" for i in range(len(inputs)))
+    body.append(
+        f"    %r:{len(outputs)} = func.call @pockjax_step({operands}) : "
+        f"({', '.join(ty_in)}) -> ({', '.join(ty_out)})"
+        if len(outputs) > 1
+        else f"    %r = func.call @pockjax_step({operands}) : ({', '.join(ty_in)}) -> ({', '.join(ty_out)})"
+    )
+    ref = (lambda k: f"%r#{k}") if len(outputs) > 1 else (lambda k: "%r")
+    for i in mutable:
+        body.append(f"    util.global.store {ref(stored[i])}, @pockjax_state_{i} : {ty_in[i]}")
+    body.append(f"    return {', '.join(ref(k) for k in aux_idx)} : {res}" if aux_idx else "    return")
+    body.append("  }")
+    # get_state() -> (*state)
+    body.append(f"  func.func public @get_state() -> ({', '.join(ty_in[i] for i in state_idx)}) {{")
+    for i in state_idx:
+        body.append(f"    %s{i} = util.global.load @pockjax_state_{i} : {ty_in[i]}")
+    body.append(f"    return {', '.join(f'%s{i}' for i in state_idx)} : {', '.join(ty_in[i] for i in state_idx)}")
+    body.append("  }")
+    # set_state(*mutable_state)
+    body.append(f"  func.func public @set_state({', '.join(f'%s{i}: {ty_in[i]}' for i in mutable)}) {{")
+    for i in mutable:
+        body.append(f"    util.global.store %s{i}, @pockjax_state_{i} : {ty_in[i]}")
+    body.append("    return")
+    body.append("  }")
+    end = text.rstrip().rfind("}")
+    return text[:end] + "\n".join(lines + body) + "\n" + text[end:]
+
+
 def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
@@ -348,6 +433,8 @@ def compile_flat(
     extra: Mapping[str, Any] | None = None,
     bind: bool = True,
     emulate: bool = False,
+    state_storage: str = "arguments",
+    parameter_scope: str = "model",
 ) -> "IreeExecutable | CompiledModule":
     """Exports ``fun`` over flat arrays to StableHLO and compiles it with IREE.
 
@@ -370,6 +457,12 @@ def compile_flat(
       emulate: for an aarch64 module on another host, bind it to the aarch64
         ``iree-run-module`` run under qemu (:mod:`pockjax.backends.arm64_runner`);
         every step then passes all arrays through ``.npy`` files.
+      state_storage: ``"arguments"`` (state passed in and out of ``main``; the
+        runtime keeps the device buffers) or ``"parameters"`` (state in module
+        globals initialised by name from an IREE parameter archive, see
+        :func:`wrap_state_as_parameters`; export with weights and run it with
+        ``pockjax.runtime.load``; the result is never bound here).
+      parameter_scope: parameter scope for ``"parameters"``.
     """
     t = _targets.resolve(target, **dict(options or {})) if isinstance(target, str) else target
     if workarounds == "default":
@@ -392,6 +485,11 @@ def compile_flat(
         if WORKAROUNDS[n].fun_rewrite is not None:
             fun = WORKAROUNDS[n].fun_rewrite(fun, flat_avals)
     text = export_stablehlo(fun, flat_avals)
+    if state_storage not in ("arguments", "parameters"):
+        raise ValueError(f"state_storage must be 'arguments' or 'parameters', not {state_storage!r}")
+    if state_storage == "parameters":
+        text = wrap_state_as_parameters(text, inputs, outputs, parameter_scope)
+        bind = False
     flags: list[str] = []
     for n in names:
         w = WORKAROUNDS[n]
@@ -408,6 +506,8 @@ def compile_flat(
         versions=versions(),
         module_sha256=hashlib.sha256(vmfb).hexdigest(),
         extra=dict(extra or {}),
+        state_storage=state_storage,
+        parameter_scope=parameter_scope,
     )
     compiled = CompiledModule(vmfb=bytes(vmfb), metadata=meta, stablehlo=text, compile_seconds=dt,
                               workarounds=tuple(names))
@@ -473,6 +573,8 @@ def export_module(
         meta.weights = {"file": WEIGHTS_FILE, "format": "irpa"}
     elif weights_file is not None:
         meta.weights = {"file": os.fspath(weights_file), "format": "irpa"}
+    elif meta.state_storage == "parameters":
+        raise ValueError("a module with parameter-backed state needs weights= or weights_file= to export")
     with open(os.path.join(path, MODULE_FILE), "wb") as f:
         f.write(compiled.vmfb)
     with open(os.path.join(path, METADATA_FILE), "w") as f:

@@ -150,6 +150,12 @@ class ModuleMetadata:
     module_sha256: str | None = None
     weights: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # "arguments": state is passed in and returned by ``function`` and the runtime keeps
+    # the device buffers. "parameters": state lives in the module's mutable globals,
+    # initialised by name from an IREE parameter archive (scope ``parameter_scope``);
+    # ``function`` takes batch inputs only and the module exports get_state/set_state.
+    state_storage: str = "arguments"
+    parameter_scope: str = "model"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -162,6 +168,8 @@ class ModuleMetadata:
             "versions": self.versions,
             "module_sha256": self.module_sha256,
             "weights": self.weights,
+            "state_storage": self.state_storage,
+            "parameter_scope": self.parameter_scope,
             "extra": self.extra,
         }
 
@@ -183,6 +191,8 @@ class ModuleMetadata:
             module_sha256=d.get("module_sha256"),
             weights=d.get("weights"),
             extra=dict(d.get("extra") or {}),
+            state_storage=d.get("state_storage", "arguments"),
+            parameter_scope=d.get("parameter_scope", "model"),
         )
 
     @property
@@ -196,6 +206,12 @@ class ModuleMetadata:
     @property
     def aux_outputs(self) -> list[int]:
         return [i for i, s in enumerate(self.outputs) if s.role != ROLE_STATE]
+
+    @property
+    def mutable_state_inputs(self) -> list[int]:
+        """State inputs that some output replaces (the rest is read-only, e.g. frozen weights)."""
+        replaced = {s.state_index for s in self.outputs if s.role == ROLE_STATE}
+        return [i for i in self.state_inputs if i in replaced]
 
 
 def read_metadata(path: str | os.PathLike) -> ModuleMetadata:
@@ -302,7 +318,13 @@ class DeviceSession:
       function: entry function name.
     """
 
-    def __init__(self, vmfb: bytes | str | os.PathLike, driver: str, function: str = "main"):
+    def __init__(
+        self,
+        vmfb: bytes | str | os.PathLike,
+        driver: str,
+        function: str = "main",
+        parameters: Sequence[tuple[str, str]] = (),
+    ):
         import iree.runtime as rt
 
         self._rt = rt
@@ -316,12 +338,26 @@ class DeviceSession:
             ) from e
         self.instance = rt.VmInstance()
         hal = rt.create_hal_module(self.instance, self.device)
+        modules = [hal]
+        if parameters:
+            # Modules whose globals are initialised from named parameters import the
+            # io_parameters module; each (scope, archive) pair becomes one provider.
+            providers = []
+            self._parameter_indices = []
+            for scope, archive in parameters:
+                if not os.path.exists(archive):
+                    raise ModuleError(f"parameter archive {archive!r} does not exist")
+                index = rt.ParameterIndex()
+                index.load(os.fspath(archive))
+                self._parameter_indices.append(index)
+                providers.append(index.create_provider(scope=scope))
+            modules.append(rt.create_io_parameters_module(self.instance, *providers))
         if isinstance(vmfb, (bytes, bytearray, memoryview)):
             self.module = rt.VmModule.copy_buffer(self.instance, vmfb)
         else:
             self.module = rt.VmModule.mmap(self.instance, os.fspath(vmfb))
         try:
-            self.context = rt.VmContext(self.instance, [hal, self.module])
+            self.context = rt.VmContext(self.instance, modules + [self.module])
         except Exception as e:  # noqa: BLE001
             raise ModuleError(
                 f"IREE could not load the module on device {driver!r}: {e}. Was it compiled for "
@@ -330,6 +366,19 @@ class DeviceSession:
         self.function = self.module.lookup_function(function)
         if self.function is None:
             raise ModuleError(f"module has no function {function!r}; it has {self.module.function_names}")
+
+    def call(self, name: str, args: Sequence[Any] = ()) -> list[Any]:
+        """Calls another exported function of the module on buffer views."""
+        rt = self._rt
+        fn = self.module.lookup_function(name)
+        if fn is None:
+            raise ModuleError(f"module has no function {name!r}")
+        arg_list = rt.VmVariantList(max(len(args), 1))
+        for bv in args:
+            arg_list.push_ref(bv)
+        ret_list = rt.VmVariantList(8)
+        self.context.invoke(fn, arg_list, ret_list)
+        return [ret_list.get_as_object(i, rt.HalBufferView) for i in range(len(ret_list))]
 
     def put(self, array: np.ndarray):
         """Copies a host array into a new device-local buffer view."""
@@ -498,6 +547,9 @@ class StatefulModule:
         self.metadata = metadata
         self._state: dict[int, Any] = {}
         self.steps_run = 0
+        self._in_module = metadata.state_storage == "parameters"
+        if self._in_module and not isinstance(session, DeviceSession):
+            raise ModuleError("modules that keep state in parameter-backed globals run in-process only")
 
     # -- state ---------------------------------------------------------------
 
@@ -526,12 +578,31 @@ class StatefulModule:
             if len(values) != len(idx):
                 raise InputError(f"expected {len(idx)} state arrays, got {len(values)}")
             items = list(zip(idx, values))
+        if self._in_module:
+            mutable = self.metadata.mutable_state_inputs
+            read_only = [self.metadata.inputs[i].name for i, _ in items if i not in mutable]
+            if read_only:
+                raise InputError(
+                    f"state {read_only[:4]} is read-only in this module (frozen weights are read from "
+                    "the parameter archive); write a new archive and reload to change them"
+                )
+            current = dict(zip(mutable, self.session.call("get_state")[: len(mutable)]))
+            for i, v in items:
+                current[i] = self.session.put(_check_array(self.metadata.inputs[i], v, "state"))
+            self.session.call("set_state", [current[i] for i in mutable])
+            return
         for i, v in items:
             a = _check_array(self.metadata.inputs[i], v, "state")
             self._state[i] = self.session.put(a)
 
     def get_state(self) -> dict[str, np.ndarray]:
         """Copies the current state back to the host, keyed by name."""
+        if self._in_module:
+            values = self.session.call("get_state")
+            return {
+                self.metadata.inputs[i].name: self.session.get(v, self.metadata.inputs[i].dtype)
+                for i, v in zip(self.metadata.state_inputs, values)
+            }
         self._require_state()
         return {
             self.metadata.inputs[i].name: self.session.get(self._state[i], self.metadata.inputs[i].dtype)
@@ -552,6 +623,8 @@ class StatefulModule:
         self.set_state({k: v for k, v in arrays.items() if k in names})
 
     def _require_state(self):
+        if self._in_module:
+            return
         missing = [self.metadata.inputs[i].name for i in self.metadata.state_inputs if i not in self._state]
         if missing:
             raise ModuleError(
@@ -585,6 +658,10 @@ class StatefulModule:
         args: list[Any] = [None] * len(meta.inputs)
         for i, v in zip(bidx, batch):
             args[i] = self.session.put(_check_array(meta.inputs[i], v, "input"))
+        if self._in_module:
+            outs = self.session.invoke([args[i] for i in bidx])
+            self.steps_run += 1
+            return [self.session.get(o, meta.outputs[j].dtype) for o, j in zip(outs, meta.aux_outputs)]
         for i in meta.state_inputs:
             args[i] = self._state[i]
         if isinstance(self.session, CommandLineSession):
@@ -676,14 +753,24 @@ def load(
                 "run it on such a device, or pass tool=[emulator, iree-run-module] (see "
                 "pockjax.backends.arm64_runner)"
             )
+    wpath = None
+    if meta.weights:
+        wpath = os.path.join(directory, meta.weights.get("file", WEIGHTS_FILE))
+        if (load_initial_weights or meta.state_storage == "parameters") and not os.path.exists(wpath):
+            raise ModuleError(f"weights file {wpath!r} named in the metadata is missing")
+    if meta.state_storage == "parameters":
+        if tool is not None:
+            raise ModuleError("modules with parameter-backed state run in-process only (not via iree-run-module)")
+        if wpath is None:
+            raise ModuleError("module keeps its state in parameters but the metadata names no weights file")
+        session = DeviceSession(module_path, driver, function=meta.function,
+                                parameters=[(meta.parameter_scope, wpath)])
+        return StatefulModule(session, meta)
     if tool is not None:
         session = CommandLineSession(module_path, driver, tool, function=meta.function)
     else:
         session = DeviceSession(module_path, driver, function=meta.function)
     mod = StatefulModule(session, meta)
-    if load_initial_weights and meta.weights:
-        wpath = os.path.join(directory, meta.weights.get("file", WEIGHTS_FILE))
-        if not os.path.exists(wpath):
-            raise ModuleError(f"weights file {wpath!r} named in the metadata is missing")
+    if load_initial_weights and wpath is not None:
         mod.load_weights(wpath)
     return mod
