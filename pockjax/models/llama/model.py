@@ -439,7 +439,7 @@ def apply(graphdef: nnx.GraphDef, params: dict, tokens: jax.Array,
     Example:
       >>> graphdef, params = split(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)))
       >>> loss = lambda p: apply(graphdef, p, jnp.ones((1, 4), jnp.int32)).mean()
-      >>> grads = jax.grad(loss)(params)
+      >>> grads = jax.jit(jax.grad(loss))(params)
       >>> grads["norm"]["scale"].shape
       (64,)
     """
