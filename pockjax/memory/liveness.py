@@ -532,9 +532,42 @@ class _Program:
 
     def greedy_order(self) -> list[int]:
         """A topological order that greedily picks the ready node whose execution
-        grows memory the least (results allocated minus operands freed)."""
+        grows memory the least (results allocated minus operands freed). Nodes whose
+        results are all fused away cost nothing and run as soon as they are ready; the
+        operands they read are freed by the nodes that really read them."""
         nodes, values = self.nodes, self.values
         n = len(nodes)
+        virtual = [bool(nd.outs) and all(self.fused[o] for o in nd.outs) for nd in nodes]
+        # effective readers, computed in reverse program order (a topological order)
+        readers: list[list[int]] = [[] for _ in values]
+        reach: list[tuple[int, ...]] = [()] * n
+        for ni in range(n - 1, -1, -1):
+            nd = nodes[ni]
+            r = set() if virtual[ni] else {ni}
+            for o in nd.outs:
+                if self.fused[o]:
+                    r.update(readers[o])
+            reach[ni] = tuple(r)
+            # values defined here are complete once all their consumers (later) are done
+            for o in nd.outs:
+                acc: set[int] = set()
+                for c in self.consumers[o]:
+                    acc.update(reach[c])
+                readers[o] = sorted(acc)
+        for vid, v in enumerate(values):
+            if v.def_node < 0:
+                acc = set()
+                for c in self.consumers[vid]:
+                    acc.update(reach[c])
+                readers[vid] = sorted(acc)
+        reads: list[list[int]] = [[] for _ in range(n)]
+        for vid, rs in enumerate(readers):
+            if vid in self.pinned or self.sizes[vid] == 0:
+                continue
+            for r in rs:
+                reads[r].append(vid)
+        remaining = [len(rs) for rs in readers]
+
         deps = [0] * n
         users: list[list[int]] = [[] for _ in range(n)]
         for ni, node in enumerate(nodes):
@@ -542,24 +575,26 @@ class _Program:
             deps[ni] = len(producers)
             for p in producers:
                 users[p].append(ni)
-        remaining = [len(c) for c in self.consumers]
         sizes = self.sizes
+        free_node = -(2**62)
 
         def score(ni: int) -> int:
-            node = nodes[ni]
-            alloc = int(sum(sizes[v] for v in node.outs))
-            freed = 0
-            for v in node.ins:
-                if v not in self.pinned and remaining[v] == 1:
-                    freed += int(sizes[v])
+            if virtual[ni]:
+                return free_node
+            alloc = int(sum(sizes[v] for v in nodes[ni].outs))
+            freed = sum(int(sizes[v]) for v in reads[ni] if remaining[v] == 1)
             return alloc - freed
 
-        cur = {}
+        cur: dict[int, int] = {}
         heap: list[tuple[int, int]] = []
+
+        def push(ni: int) -> None:
+            cur[ni] = score(ni)
+            heapq.heappush(heap, (cur[ni], ni))
+
         for ni in range(n):
             if deps[ni] == 0:
-                cur[ni] = score(ni)
-                heapq.heappush(heap, (cur[ni], ni))
+                push(ni)
         order = []
         done = [False] * n
         while heap:
@@ -568,21 +603,21 @@ class _Program:
                 continue
             done[ni] = True
             order.append(ni)
-            for v in nodes[ni].ins:
-                remaining[v] -= 1
-                if remaining[v] == 1 and v not in self.pinned:
-                    # its last consumer now frees it: re-score that consumer if ready
-                    for c in self.consumers[v]:
-                        if not done[c] and c in cur:
-                            new = score(c)
-                            if new != cur[c]:
-                                cur[c] = new
-                                heapq.heappush(heap, (new, c))
+            if not virtual[ni]:
+                for v in reads[ni]:
+                    remaining[v] -= 1
+                    if remaining[v] == 1:
+                        # its last real reader now frees it: re-score that one if ready
+                        for c in readers[v]:
+                            if not done[c] and c in cur:
+                                new = score(c)
+                                if new != cur[c]:
+                                    cur[c] = new
+                                    heapq.heappush(heap, (new, c))
             for u in users[ni]:
                 deps[u] -= 1
                 if deps[u] == 0:
-                    cur[u] = score(u)
-                    heapq.heappush(heap, (cur[u], u))
+                    push(u)
         if len(order) != n:  # pragma: no cover - a cycle cannot happen in a jaxpr
             raise RuntimeError("greedy schedule did not cover the program")
         return order
