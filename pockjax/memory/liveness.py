@@ -661,6 +661,12 @@ class MemoryReport:
       input_bytes: bytes of all program inputs and constants.
       output_bytes: bytes of all program outputs (distinct buffers).
       live_at_peak: the largest buffers live at the peak, largest first.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> r = analyze(jax.make_jaxpr(lambda x: jnp.cos(jnp.sin(x)))(jnp.ones(256)), fusion="none")
+      >>> r.n_eqns, r.total.tolist(), r.peak_breakdown["batch"], r.peak_breakdown["output"]
+      (2, [2048, 3072], 1024, 1024)
     """
 
     peak_bytes: int

@@ -98,6 +98,12 @@ class Plan:
       analyze_seconds: time spent in the liveness analysis.
       closed_jaxpr: the traced step (flat inputs -> flat outputs).
       in_roles: one role per flat input.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> p = plan(jnp.sin, (jax.ShapeDtypeStruct((256,), jnp.float32),), roles="batch", budget_bytes=4096)
+      >>> p.peak_bytes, p.fits, p.in_roles
+      (2048, True, ('batch',))
     """
 
     report: MemoryReport

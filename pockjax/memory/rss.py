@@ -87,6 +87,11 @@ class RssResult:
       returncode: its exit status.
       result: what the callable returned (None for commands, or if not picklable).
       output: the child's stdout and stderr (the last 4000 characters).
+
+    Example:
+      >>> r = RssResult(peak_bytes=300, baseline_bytes=100, seconds=1.0, returncode=0)
+      >>> r.delta_bytes
+      200
     """
 
     peak_bytes: int
