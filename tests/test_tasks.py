@@ -207,3 +207,21 @@ def test_smollm2_prompt_tokens_equal_generation_prompt():
     assert tok.decode(ids[n_prompt:]) == ex.answer + "<|im_end|>"
     # joint tokenization agrees with prompt + answer tokenized apart
     assert tok.encode(tok.decode(ids)) == ids
+
+
+def test_answer_window_loss_equals_full_loss(byte_tok):
+    model = llama.Llama(LlamaConfig.tiny(vocab=byte_tok.vocab_size, max_seq_len=128),
+                        rngs=nnx.Rngs(1))
+    exs = make_examples("sort_numbers", 6, seed=0)
+    batcher = Batcher(byte_tok, exs, batch_size=6, seq_len=128, max_seq_len=128)
+    batch = {k: jnp.asarray(v) for k, v in batcher.batch(0).items()}
+    assert batcher.answer_window % 8 == 0
+    assert batcher.answer_window >= int(batch["loss_mask"].sum(1).max())
+
+    @nnx.jit
+    def both(model, batch):
+        full = llama.next_token_loss(model(batch["tokens"]), batch["targets"], batch["loss_mask"])
+        return full, llama.answer_loss(model, batch, batcher.answer_window)
+
+    full, windowed = both(model, batch)
+    assert abs(float(full) - float(windowed)) < 1e-5

@@ -9,7 +9,11 @@ ending with the assistant header), then the answer, then the end-of-turn token
   (position ``t`` predicts ``targets[t]``);
 * ``loss_mask`` float32 ``(batch, seq_len)``: 1 where ``targets[t]`` is an
   answer token or the end-of-turn token, 0 on the prompt and on padding;
-* ``mask``      int32 ``(batch, seq_len)``: 1 on real tokens, 0 on padding.
+* ``mask``      int32 ``(batch, seq_len)``: 1 on real tokens, 0 on padding;
+* ``loss_start`` int32 ``(batch,)``: first position where ``loss_mask`` is 1.
+  With :attr:`Batcher.answer_window` it lets
+  :func:`pockjax.models.llama.answer_loss` compute logits only on the answer
+  (several times cheaper for a 49k vocabulary than logits everywhere).
 
 Right padding needs no attention mask for the real tokens (causal attention
 never looks ahead), so ``model(batch["tokens"])`` and
@@ -85,14 +89,15 @@ def collate(rows: Sequence[tuple[Sequence[int], int]], seq_len: int, pad_id: int
       >>> b = collate([([5, 6, 7, 8], 2)], seq_len=6, pad_id=0)
       >>> b["tokens"].tolist(), b["targets"].tolist()
       ([[5, 6, 7, 8, 0, 0]], [[6, 7, 8, 0, 0, 0]])
-      >>> b["loss_mask"].tolist(), b["mask"].tolist()
-      ([[0.0, 1.0, 1.0, 0.0, 0.0, 0.0]], [[1, 1, 1, 1, 0, 0]])
+      >>> b["loss_mask"].tolist(), b["mask"].tolist(), b["loss_start"].tolist()
+      ([[0.0, 1.0, 1.0, 0.0, 0.0, 0.0]], [[1, 1, 1, 1, 0, 0]], [1])
     """
     n = len(rows)
     tokens = np.full((n, seq_len), pad_id, np.int32)
     targets = np.full((n, seq_len), pad_id, np.int32)
     loss_mask = np.zeros((n, seq_len), np.float32)
     mask = np.zeros((n, seq_len), np.int32)
+    loss_start = np.zeros((n,), np.int32)
     for i, (ids, n_prompt) in enumerate(rows):
         length = len(ids)
         if length > seq_len:
@@ -102,7 +107,9 @@ def collate(rows: Sequence[tuple[Sequence[int], int]], seq_len: int, pad_id: int
         # targets[t] = ids[t + 1] is an answer token when t + 1 >= n_prompt.
         loss_mask[i, max(n_prompt - 1, 0):length - 1] = 1.0
         mask[i, :length] = 1
-    return {"tokens": tokens, "targets": targets, "loss_mask": loss_mask, "mask": mask}
+        loss_start[i] = min(max(n_prompt - 1, 0), seq_len - 1)
+    return {"tokens": tokens, "targets": targets, "loss_mask": loss_mask, "mask": mask,
+            "loss_start": loss_start}
 
 
 class Batcher:
@@ -120,6 +127,12 @@ class Batcher:
       system: Optional system message for every example.
       truncate: Cut over-long examples (keeping the prompt's start) instead of
         raising.
+
+    Attributes:
+      seq_len: Row length of every batch.
+      answer_window: Loss positions that cover every example's answer (a
+        multiple of 8), for :func:`pockjax.models.llama.answer_loss`.
+      longest: Tokens in the longest example.
 
     Raises:
       SequenceLengthError: ``seq_len`` exceeds ``max_seq_len``, or an example
@@ -170,6 +183,9 @@ class Batcher:
         if truncate:
             self.rows = [(ids[:seq_len], min(n_prompt, seq_len)) for ids, n_prompt in self.rows]
         self.seq_len = seq_len
+        # Loss positions per row: answer tokens + end-of-turn, rounded up to 8.
+        most = max(min(len(ids), seq_len) - min(n, seq_len) + 1 for ids, n in self.rows)
+        self.answer_window = min(-(-most // 8) * 8, seq_len)
 
     def __len__(self) -> int:
         """Batches per epoch (the last partial batch wraps into the next epoch)."""
@@ -194,7 +210,14 @@ class Batcher:
         return out
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
-        """The batch for training step ``step`` (a pure function of seed and step)."""
+        """The batch for training step ``step`` (a pure function of seed and step).
+
+        Example:
+          >>> from pockjax.models.llama import Tokenizer
+          >>> b = Batcher(Tokenizer.byte_level_for_tests(), [Example("hi", "yo")], batch_size=2)
+          >>> sorted(b.batch(5))
+          ['loss_mask', 'loss_start', 'mask', 'targets', 'tokens']
+        """
         return collate([self.rows[i] for i in self.indices(step)], self.seq_len, self.pad_id)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:

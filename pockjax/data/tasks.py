@@ -52,6 +52,10 @@ class Example:
       prompt: The user message.
       answer: The exact expected assistant reply.
       task: Name of the task that made it (``"jsonl"`` for user data).
+
+    Example:
+      >>> Example("Sort: 3, 1", "1, 3", "sort_numbers").answer
+      '1, 3'
     """
 
     prompt: str
@@ -116,6 +120,11 @@ class Task:
       description: One line for help texts.
       generate: ``rng -> (prompt, answer)``.
       case_sensitive: Whether letter case matters when judging.
+
+    Example:
+      >>> echo = Task("echo", "repeat a word", lambda rng: ("Say: hi", "hi"))
+      >>> echo.is_correct("hi.", echo.example(np.random.default_rng(0)))
+      True
     """
 
     name: str

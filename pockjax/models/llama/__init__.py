@@ -35,12 +35,14 @@ from pockjax.models.llama.hf import (
 from pockjax.models.llama.model import (
     KVCache,
     Llama,
+    answer_loss,
     apply,
     flatten_params,
     init_cache,
     merge,
     next_token_loss,
     split,
+    stack_layers,
     unflatten_params,
 )
 from pockjax.models.llama.tokenizer import Tokenizer, load_tokenizer
@@ -55,6 +57,7 @@ __all__ = [
     "SUPPORTED_QUANT_TYPES",
     "Tokenizer",
     "UnsupportedModelError",
+    "answer_loss",
     "apply",
     "build_model",
     "dequantize",
@@ -74,5 +77,6 @@ __all__ = [
     "sample_logits",
     "save_hf_checkpoint",
     "split",
+    "stack_layers",
     "unflatten_params",
 ]

@@ -63,7 +63,12 @@ class LlamaConfig:
 
     @property
     def head_dim_(self) -> int:
-        """Width of one attention head (``head_dim`` or ``dim // n_heads``)."""
+        """Width of one attention head (``head_dim`` or ``dim // n_heads``).
+
+        Example:
+            >>> LlamaConfig.smollm2_135m().head_dim_
+            64
+        """
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
 
     def replace(self, **changes: Any) -> "LlamaConfig":

@@ -205,6 +205,10 @@ def gguf_config(reader, **overrides: Any) -> LlamaConfig:
     Raises:
       UnsupportedModelError: if the architecture is not ``llama`` or the file
         uses RoPE scaling pockjax does not implement.
+
+    Example (not run: reads a model file)::
+
+      gguf_config(open_gguf(pretrained_path("smollm2-135m"))).n_layers   # 30
     """
     arch = _field(reader, "general.architecture")
     if arch != "llama":
@@ -292,8 +296,11 @@ def read_gguf(path: str | os.PathLike, **config_overrides: Any
       cfg, flat = read_gguf(pretrained_path("smollm2-135m"))
       flat["layers.0.attn.wq.kernel"].shape   # (576, 576)
     """
-    reader = path if hasattr(path, "tensors") else open_gguf(path)
-    path = getattr(reader, "path", path) if hasattr(path, "tensors") else path
+    if isinstance(path, (str, os.PathLike)):
+        reader = open_gguf(path)
+    else:  # an already opened reader
+        reader = path
+        path = getattr(reader.data, "filename", None) or "<GGUF file>"
     cfg = gguf_config(reader, **config_overrides)
     params: dict[str, np.ndarray] = {}
     for t in reader.tensors:

@@ -191,6 +191,16 @@ def read_hf_checkpoint(path: str | os.PathLike, **config_overrides: Any
     Raises:
       FileNotFoundError: no directory, ``config.json`` or safetensors files.
       CheckpointError, UnsupportedModelError: as described there.
+
+    Example:
+      >>> import tempfile
+      >>> from flax import nnx
+      >>> from pockjax.models.llama import Llama
+      >>> d = tempfile.mkdtemp()
+      >>> save_hf_checkpoint(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)), d)
+      >>> cfg, flat = read_hf_checkpoint(d)
+      >>> flat["layers.1.mlp.w2.kernel"].shape
+      (96, 64)
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -265,6 +275,15 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike) -> None:
 
     The result (``config.json`` + ``model.safetensors``) loads with
     :func:`load_hf_checkpoint` and with ``transformers.LlamaForCausalLM``.
+
+    Example:
+      >>> import tempfile
+      >>> from flax import nnx
+      >>> from pockjax.models.llama import Llama
+      >>> d = tempfile.mkdtemp()
+      >>> save_hf_checkpoint(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)), d)
+      >>> sorted(os.listdir(d))
+      ['config.json', 'model.safetensors']
     """
     from pockjax.models.llama.model import flatten_params, split
 

@@ -47,6 +47,7 @@ __all__ = [
     "flatten_params",
     "init_cache",
     "merge",
+    "answer_loss",
     "next_token_loss",
     "rope_cos_sin",
     "split",
@@ -139,7 +140,13 @@ def causal_mask(query_slots: jax.Array, key_valid: jax.Array) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square layer norm with a learned ``scale`` (computed in float32)."""
+    """Root-mean-square layer norm with a learned ``scale`` (computed in float32).
+
+    Example:
+      >>> y = RMSNorm(4, 1e-6)(jnp.array([[2.0, -2.0, 2.0, -2.0]]))
+      >>> y.tolist()
+      [[1.0, -1.0, 1.0, -1.0]]
+    """
 
     def __init__(self, dim: int, eps: float, *, param_dtype: Any = jnp.float32):
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
@@ -292,7 +299,15 @@ class Llama(nnx.Module):
         return x, new_cache
 
     def logits_from_hidden(self, h: jax.Array) -> jax.Array:
-        """Final norm and output projection: hidden states -> float32 logits."""
+        """Final norm and output projection: hidden states -> float32 logits.
+
+        Use it with :meth:`hidden_states` to compute logits only where needed.
+
+        Example:
+          >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+          >>> model.logits_from_hidden(jnp.ones((1, 2, 64))).shape
+          (1, 2, 128)
+        """
         h = self.norm(h)
         if self.config.tie_embeddings:
             logits = self.embed.attend(h)
@@ -301,6 +316,35 @@ class Llama(nnx.Module):
         return logits.astype(jnp.float32)
 
     # -- entry points -----------------------------------------------------------
+
+    def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None,
+                      mask: jax.Array | None = None) -> jax.Array:
+        """Output of the last block (before the final norm), ``(batch, seq, dim)``.
+
+        Arguments as for :meth:`__call__`. Pair with :meth:`logits_from_hidden`
+        to compute logits only at the positions a loss needs (the output
+        projection is a large share of a small model's compute).
+
+        Example:
+          >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+          >>> model.hidden_states(jnp.array([[1, 2]])).shape
+          (1, 2, 64)
+        """
+        b, t = tokens.shape
+        if mask is None:
+            key_valid = jnp.ones((b, t), bool)
+        else:
+            key_valid = mask.astype(bool)
+        if positions is None:
+            if mask is None:
+                positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+            else:
+                positions = jnp.maximum(jnp.cumsum(key_valid, axis=-1) - 1, 0)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim_, self.config.rope_theta)
+        attn_mask = causal_mask(jnp.arange(t), key_valid)
+        x = self.embed(tokens)
+        x, _ = self._layers(x, cos, sin, attn_mask, None, None)
+        return x
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  mask: jax.Array | None = None) -> jax.Array:
@@ -318,21 +362,7 @@ class Llama(nnx.Module):
         Returns:
           float32 logits of shape ``(batch, seq, vocab)``.
         """
-        b, t = tokens.shape
-        if mask is None:
-            key_valid = jnp.ones((b, t), bool)
-        else:
-            key_valid = mask.astype(bool)
-        if positions is None:
-            if mask is None:
-                positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-            else:
-                positions = jnp.maximum(jnp.cumsum(key_valid, axis=-1) - 1, 0)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim_, self.config.rope_theta)
-        attn_mask = causal_mask(jnp.arange(t), key_valid)
-        x = self.embed(tokens)
-        x, _ = self._layers(x, cos, sin, attn_mask, None, None)
-        return self.logits_from_hidden(x)
+        return self.logits_from_hidden(self.hidden_states(tokens, positions, mask))
 
     def decode(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
                cache_index: jax.Array | int, key_valid: jax.Array
@@ -504,3 +534,36 @@ def next_token_loss(logits: jax.Array, targets: jax.Array,
     nll = -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     w = loss_mask.astype(jnp.float32)
     return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def answer_loss(model: Llama, batch: dict, window: int) -> jax.Array:
+    """:func:`next_token_loss` computing logits only on a window of answer positions.
+
+    Runs the blocks on the whole row, then the final norm and output
+    projection only on ``window`` positions from ``batch["loss_start"]``
+    (see :mod:`pockjax.data.batching`). Equal to the full loss when every
+    row's loss positions fit in the window (``Batcher.answer_window``).
+
+    Args:
+      model: The :class:`Llama`.
+      batch: Dict with ``tokens``, ``targets``, ``loss_mask``, ``loss_start``.
+      window: Static number of positions.
+
+    Example:
+      >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+      >>> batch = {"tokens": jnp.array([[5, 6, 7, 8, 0]]), "targets": jnp.array([[6, 7, 8, 0, 0]]),
+      ...          "loss_mask": jnp.array([[0., 1., 1., 0., 0.]]), "loss_start": jnp.array([1])}
+      >>> full = next_token_loss(model(batch["tokens"]), batch["targets"], batch["loss_mask"])
+      >>> bool(jnp.allclose(answer_loss(model, batch, window=2), full, atol=1e-6))
+      True
+    """
+    tokens = batch["tokens"]
+    t = tokens.shape[1]
+    h = model.hidden_states(tokens)
+    idx = batch["loss_start"][:, None] + jnp.arange(window)[None, :]
+    inside = idx < t
+    idx = jnp.minimum(idx, t - 1)
+    h_w = jnp.take_along_axis(h, idx[:, :, None], axis=1)
+    targets = jnp.take_along_axis(batch["targets"], idx, axis=1)
+    mask = jnp.take_along_axis(batch["loss_mask"], idx, axis=1) * inside
+    return next_token_loss(model.logits_from_hidden(h_w), targets, mask)

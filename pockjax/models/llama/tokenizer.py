@@ -92,11 +92,21 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids, including added tokens."""
+        """Number of token ids, including added tokens.
+
+        Example:
+          >>> Tokenizer.byte_level_for_tests().vocab_size
+          259
+        """
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def token_to_id(self, token: str) -> int | None:
-        """Id of a token string (e.g. ``"<|im_end|>"``), or ``None``."""
+        """Id of a token string (e.g. ``"<|im_end|>"``), or ``None``.
+
+        Example:
+          >>> Tokenizer.byte_level_for_tests().token_to_id("<|im_end|>")
+          258
+        """
         return self.backend.token_to_id(token)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
@@ -290,6 +300,11 @@ def tokenizer_from_gguf(reader) -> Tokenizer:
     Raises:
       ValueError: for SentencePiece (``"llama"``) or other tokenizer models, or
         an unknown pre-tokenizer.
+
+    Example (not run: reads a model file)::
+
+      tok = tokenizer_from_gguf(open_gguf(pretrained_path("smollm2-135m")))
+      tok.encode("Hello world")   # [19556, 905]
     """
     def field(key, default=None):
         f = reader.fields.get(key)
@@ -320,6 +335,13 @@ def tokenizer_from_hf_dir(path: str | os.PathLike) -> Tokenizer:
 
     Raises:
       FileNotFoundError: no ``tokenizer.json`` in ``path``.
+
+    Example:
+      >>> import tempfile, os
+      >>> d = tempfile.mkdtemp()
+      >>> Tokenizer.byte_level_for_tests().backend.save(os.path.join(d, "tokenizer.json"))
+      >>> tokenizer_from_hf_dir(d).encode("ok")
+      [111, 107]
     """
     from tokenizers import Tokenizer as HFTokenizer
 
