@@ -11,6 +11,7 @@ this process's peak RSS (to show that no weights were allocated).
 from __future__ import annotations
 
 import argparse
+import functools
 import resource
 import sys
 import time
@@ -36,9 +37,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--budget-gb", type=float, default=64.0)
     ap.add_argument("--scan", action="store_true", help="scan over stacked layers")
-    ap.add_argument("--schedule", default="program", choices=("program", "greedy"))
+    ap.add_argument("--schedule", default="program", choices=("program", "greedy", "eager_update"))
     ap.add_argument("--fusion", default="xla", choices=("none", "single", "xla"))
     ap.add_argument("--no-donate", action="store_true", help="do not donate params / optimizer state")
+    ap.add_argument("--sparse-first-layer", type=int, default=0,
+                    help="sparse: blocks before this one are frozen entirely")
     ap.add_argument("--plot", default=None, help="directory for timeline plots")
     a = ap.parse_args(argv)
 
@@ -49,7 +52,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"schedule={a.schedule}, fusion={a.fusion}, donate={'no' if a.no_donate else 'params+opt_state'}")
     rss0 = _rss()
     results = {}
-    for name, trainable in (("full", None), ("sparse", paper_trainable)):
+    sparse_rule = functools.partial(paper_trainable, first_layer=a.sparse_first_layer)
+    for name, trainable in (("full", None), ("sparse", sparse_rule)):
         args, roles = abstract_train_args(cfg, opt, batch=a.batch, seq=a.seq, trainable=trainable)
         step = make_train_step(cfg, opt, trainable)
         # full: (params, opt_state, batch); sparse: (train, frozen, opt_state, batch)

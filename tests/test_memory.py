@@ -499,3 +499,24 @@ def test_greedy_schedule_lowers_a_bad_order():
     order, before, after = memory.greedy_schedule(cj, fusion="none")
     assert after < before
     assert analyze(_reordered(cj, order), fusion="none").peak_bytes == after
+
+
+def test_eager_update_schedule_frees_gradients_unless_coupled():
+    width, depth = 256, 4
+
+    def step_with(opt):
+        step, args = _mlp_step(width=width, depth=depth, batch=8, opt=opt)
+        return step, args
+
+    plain = step_with(optax.adamw(1e-3))
+    program = plan(*plain, donate_argnums=(0, 1)).report
+    eager = plan(*plain, donate_argnums=(0, 1), schedule="eager_update").report
+    grads = sum(aval_bytes(a) for a in jax.tree.leaves(plain[1][0]))
+    assert program.peak_breakdown["gradient"] >= grads - width * 4 * depth  # all weight grads at once
+    assert eager.peak_bytes < program.peak_bytes
+    assert eager.peak_breakdown["gradient"] < program.peak_breakdown["gradient"]
+    # global-norm clipping needs every gradient before any update: no gain
+    clipped = step_with(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)))
+    eager_clipped = plan(*clipped, donate_argnums=(0, 1), schedule="eager_update").report
+    assert eager_clipped.peak_breakdown["gradient"] >= grads - width * 4 * depth
+    assert eager_clipped.peak_bytes > eager.peak_bytes

@@ -64,6 +64,7 @@ from jax.extend import core as jex_core
 __all__ = [
     "CATEGORIES",
     "FUSION_MODES",
+    "SCHEDULES",
     "ROLE_CATEGORY",
     "LiveValue",
     "MemoryReport",
@@ -404,6 +405,12 @@ class _Flattener:
 # --------------------------------------------------------------------------------------
 # Liveness over a flat program in a given order.
 
+#: Schedules :func:`analyze` can estimate under: the given order; a greedy list
+#: schedule; and the given order with every optimizer-side equation run as soon as its
+#: operands are ready (each update right after its gradient, as an in-place update
+#: pass orders them; an optimizer that couples all gradients gains nothing).
+SCHEDULES = ("program", "greedy", "eager_update")
+
 #: Fusion models: "none" (every equation result is a buffer), "single" (an elementwise
 #: result read by exactly one fusible equation is not materialised), "xla" (also cheap
 #: elementwise results read by several fusible equations, when recomputing them in each
@@ -529,6 +536,30 @@ class _Program:
             extras = np.array([self.nodes[i].extra for i in order], dtype=np.int64)
             total = total + extras
         return total
+
+    def priority_order(self, priority: Sequence[int]) -> list[int]:
+        """The topological order that always runs the ready node with the smallest
+        ``(priority, program index)``."""
+        nodes, values = self.nodes, self.values
+        n = len(nodes)
+        deps = [0] * n
+        users: list[list[int]] = [[] for _ in range(n)]
+        for ni, node in enumerate(nodes):
+            producers = {values[v].def_node for v in node.ins if values[v].def_node >= 0}
+            deps[ni] = len(producers)
+            for p in producers:
+                users[p].append(ni)
+        heap = [(priority[ni], ni) for ni in range(n) if deps[ni] == 0]
+        heapq.heapify(heap)
+        order = []
+        while heap:
+            _, ni = heapq.heappop(heap)
+            order.append(ni)
+            for u in users[ni]:
+                deps[u] -= 1
+                if deps[u] == 0:
+                    heapq.heappush(heap, (priority[u], u))
+        return order
 
     def greedy_order(self) -> list[int]:
         """A topological order that greedily picks the ready node whose execution
@@ -657,7 +688,7 @@ class MemoryReport:
         during each node.
       categories: the row names of ``timeline``.
       primitives: primitive name of each node, in schedule order.
-      schedule: ``"program"`` or ``"greedy"``.
+      schedule: one of :data:`SCHEDULES`.
       input_bytes: bytes of all program inputs and constants.
       output_bytes: bytes of all program outputs (distinct buffers).
       live_at_peak: the largest buffers live at the peak, largest first.
@@ -929,8 +960,10 @@ def analyze(
         ``"gradient"``); ``pockjax_grad_tag`` equations are detected by themselves.
       split_index: when the jaxpr has no name stacks: flat equations before this index
         are the forward part, the rest the backward part.
-      schedule: ``"program"`` (the given equation order) or ``"greedy"`` (a topological
-        order that greedily keeps memory low, closer to what XLA's scheduler does).
+      schedule: ``"program"`` (the given equation order), ``"greedy"`` (a topological
+        order that greedily keeps memory low), or ``"eager_update"`` (the given order,
+        but every optimizer-side equation, i.e. neither forward nor backward, runs as
+        soon as its operands are ready: the order an in-place update pass produces).
       inline_calls: inline ``jit``/``remat``/custom-derivative calls (default) instead
         of treating them as nested programs.
       fusion: how elementwise fusion is modelled: ``"xla"`` (default: an elementwise
@@ -964,8 +997,8 @@ def analyze(
         in_roles = in_roles if in_roles is not None else getattr(graph, "in_roles", None)
         out_roles = out_roles if out_roles is not None else getattr(graph, "out_roles", None)
         in_paths = in_paths if in_paths is not None else getattr(graph, "in_paths", None)
-    if schedule not in ("program", "greedy"):
-        raise ValueError(f"schedule must be 'program' or 'greedy', got {schedule!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     fl, prog, out_ids, out_cat = _build(jaxpr, in_roles, out_roles, donate, fusion, inline_calls, const_role)
     values, nodes = fl.values, fl.nodes
 
@@ -1000,7 +1033,13 @@ def analyze(
         cat[vid] = _CAT_INDEX["gradient"]
 
     # ---- liveness under the schedule -------------------------------------------------
-    order = prog.greedy_order() if schedule == "greedy" else list(range(len(nodes)))
+    if schedule == "greedy":
+        order = prog.greedy_order()
+    elif schedule == "eager_update":
+        # optimizer-side equations (neither forward nor backward) as soon as they can
+        order = prog.priority_order([0 if p == _OTHER else 1 for p in phases])
+    else:
+        order = list(range(len(nodes)))
     start, end = prog.intervals(order)
     n = max(len(order), 1)
     ncat = len(CATEGORIES)
