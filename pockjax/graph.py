@@ -148,6 +148,7 @@ def trace_step(
     """
     kwargs = kwargs or {}
     args = tuple(args)
+    step = unwrap_jit(step)
     if len(args) < n_state_args:
         raise StepSignatureError(
             f"the step takes (params, opt_state, *batch); got {len(args)} positional argument(s)"
@@ -180,7 +181,7 @@ def trace_step(
         # A parameter's gradient is tagged where autodiff produces it (see _compat).
         is_param = set(param_idx)
         tracer_list = [x if i in is_param else None for i, x in enumerate(leaves)]
-        with C.tagging_params(tracer_list, tags.tag_param), jax.disable_jit():
+        with C.tagging_params(tracer_list, tags.tag_param):
             out = step(*jax.tree_util.tree_unflatten(in_tree, leaves), **kwargs)
         out_store["out"] = out
         flat_out, out_tree = jax.tree_util.tree_flatten(out)
@@ -232,6 +233,17 @@ def trace_step(
         out_to_in=tuple(out_to_in),
         param_of=tuple(param_of),
     )
+
+
+def unwrap_jit(fn: Callable) -> Callable:
+    """The Python function under ``jax.jit`` / ``nnx.jit`` wrappers.
+
+    pockjax compiles the step itself; tracing through the user's ``jit`` would
+    hide the parameters from the gradient tags behind the jit's own tracers.
+    """
+    while hasattr(fn, "__wrapped__") and (hasattr(fn, "lower") or type(fn).__name__.lower().startswith("jit")):
+        fn = fn.__wrapped__
+    return fn
 
 
 def _describe_tree(tree) -> str:

@@ -173,3 +173,96 @@ def test_functional_nnx_split_state():
     new_params, _, _ = compiled(params, tx.init(params), jnp.ones((4, 3)))
     np.testing.assert_array_equal(np.asarray(new_params["kernel"][...]), kernel)
     assert not np.allclose(np.asarray(new_params["bias"][...]), 0)
+
+
+@jax.custom_vjp
+def scaled_tanh(x):
+    return jnp.tanh(x)
+
+
+def _scaled_tanh_fwd(x):
+    y = jnp.tanh(x)
+    return y, y
+
+
+def _scaled_tanh_bwd(y, ct):
+    return (ct * (1 - y * y),)
+
+
+scaled_tanh.defvjp(_scaled_tanh_fwd, _scaled_tanh_bwd)
+
+
+def test_nested_primitives_keep_reference_semantics():
+    """remat, cond, custom_vjp, custom_jvp (relu), scan and a while loop in one step."""
+    from test_sparse_semantics import reference_step
+
+    class Nested:
+        def init(self, key):
+            ks = jax.random.split(key, 4)
+            return {
+                "a": {"kernel": jax.random.normal(ks[0], (4, 6)) / 2},
+                "b": {"kernel": jax.random.normal(ks[1], (6, 6)) / 3},
+                "stack": {"kernel": jax.random.normal(ks[2], (3, 6, 6)) / 3},
+                "c": {"kernel": jax.random.normal(ks[3], (6, 2)) / 3},
+            }
+
+        def loss(self, params, batch):
+            x, y = batch
+
+            @jax.checkpoint
+            def first(h):
+                return scaled_tanh(h @ params["a"]["kernel"])
+
+            h = first(x)
+            h = jax.lax.cond(jnp.sum(x) > 0, lambda h: jax.nn.relu(h @ params["b"]["kernel"]),
+                             lambda h: jnp.sin(h @ params["b"]["kernel"]), h)
+            h, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), h, params["stack"]["kernel"])
+            return jnp.mean((h @ params["c"]["kernel"] - y) ** 2)
+
+        def batch(self, key):
+            k1, k2 = jax.random.split(key)
+            return jax.random.normal(k1, (5, 4)), jax.random.normal(k2, (5, 2))
+
+    model, tx = Nested(), optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(model.loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        # an undifferentiated while loop in the step
+        n = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 0.5), (0, loss))[1]
+        return optax.apply_updates(params, updates), opt_state, loss, n
+
+    params = model.init(jax.random.key(0))
+    opt_state = tx.init(params)
+    batch = model.batch(jax.random.key(1))
+    scheme = pockjax.UpdateScheme({"b.kernel": pockjax.channels(3), "stack.kernel": pockjax.channels(1, axis=0), "c.kernel": "full"})
+    rules = scheme.resolve_tree(params)
+    want_p, want_s, want_loss, _, _ = reference_step(model, tx, rules, params, opt_state, batch)
+    compiled = pockjax.compile(step, scheme=scheme, donate=False)
+    got_p, got_s, got_loss, n = compiled(params, opt_state, batch)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    np.testing.assert_allclose(n, want_loss / 8, rtol=1e-6)
+    for g, w in zip(jax.tree.leaves((got_p, got_s)), jax.tree.leaves((want_p, want_s))):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got_p["a"]["kernel"], params["a"]["kernel"])
+    prims = pockjax.count_primitives(pockjax.trace_step(step, (params, opt_state, batch)))
+    assert {"cond", "scan", "while"} <= set(prims), prims
+    assert {"checkpoint", "remat2"} & set(prims), prims
+
+
+def test_traces_once_per_signature():
+    model, tx, params, opt_state, batch = _setup()
+    calls = []
+    inner = make_step(model, tx)
+
+    def step(*args):
+        calls.append(1)
+        return inner(*args)
+
+    compiled = pockjax.compile(step, scheme=pockjax.UpdateScheme({"dense1.*": "full"}))
+    for _ in range(3):
+        params, opt_state, _ = compiled(params, opt_state, batch)
+    assert len(calls) == 1
+    bigger = (jnp.ones((7, batch[0].shape[1])), jnp.ones((7, batch[1].shape[1])))
+    compiled(params, opt_state, bigger)
+    assert len(calls) == 2

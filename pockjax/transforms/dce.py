@@ -74,7 +74,7 @@ def dce_jaxpr(jaxpr: C.Jaxpr, used_outputs: list[bool] | None = None) -> tuple[C
         if new_eqn is None:
             continue
         new_eqns.append(new_eqn)
-        for v, used in zip(new_eqn.invars, used_ins):
+        for v, used in zip(eqn.invars, used_ins):  # used_ins refers to the original operands
             if used and not isinstance(v, C.Literal):
                 live.add(v)
     new_eqns.reverse()
