@@ -919,8 +919,8 @@ def greedy_schedule(
     _, prog, _, _ = _build(jaxpr, in_roles, None, donate, fusion, False, "param", alias_nodes=True)
     given = list(range(len(prog.nodes)))
     order = prog.greedy_order()
-    before = int(prog.totals(given).max()) if given else 0
-    after = int(prog.totals(order).max()) if order else 0
+    before = int(prog.totals(given).max())
+    after = int(prog.totals(order).max())
     if keep_if_worse and after > before:
         return given, before, before
     return order, before, after
