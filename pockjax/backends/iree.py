@@ -129,6 +129,25 @@ _register(
 )
 
 
+_register(
+    Workaround(
+        name="llvmcpu-no-aggressive-fusion",
+        symptom="exceeded stack allocation limit",
+        applies_to=("llvm-cpu",),
+        flags=("--iree-dispatch-creation-enable-aggressive-fusion=false",),
+        why=(
+            "With aggressive dispatch fusion (on at --iree-opt-level=O3), IREE 3.13 fuses the "
+            "embedding gradient (a scatter-add of every token's row into the table) with its "
+            "producers and keeps a tile of tokens x dim on the stack; past 32 KiB llvm-cpu "
+            "refuses it ('exceeded stack allocation limit'), and raising the limit only trades "
+            "that for a worker-stack overflow at run time (IREE's task workers have 128 KiB). "
+            "Keeping aggressive fusion off (last flag wins, so this holds even with O3) gives "
+            "the scatter its own dispatch, which needs no stack."
+        ),
+    )
+)
+
+
 def _scatter_rewrite(fun, flat_avals):
     from pockjax.backends import iree_rewrites
 
