@@ -188,7 +188,7 @@ def trace_step(
         out_store["tree"] = out_tree
         return flat_out
 
-    closed = jax.make_jaxpr(flat_step)(*avals)
+    closed = inline_calls(jax.make_jaxpr(flat_step)(*avals))
     out = out_store["out"]
     out_tree = out_store["tree"]
     _check_outputs(out, args, n_state_args)
@@ -233,6 +233,33 @@ def trace_step(
         out_to_in=tuple(out_to_in),
         param_of=tuple(param_of),
     )
+
+
+def inline_calls(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
+    """Inline ``jit`` calls at the top level (and the top level of inlined bodies).
+
+    A jitted helper (``jnp`` functions are jitted) is a call with no effect on
+    what is computed; inlining it lets passes see through it, so, for
+    example, a channel slice reaches a weight-gradient ``dot_general`` that
+    autodiff placed inside one. Nested control flow (``scan``...) is kept.
+    """
+    from pockjax.transforms import _interp
+
+    def has_call(eqn):
+        return eqn.primitive.name in ("jit", "pjit", "closed_call")
+
+    if not any(has_call(e) for e in closed.jaxpr.eqns):
+        return closed
+
+    def rule(eqn, invals):
+        if has_call(eqn):
+            body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            inner = body.jaxpr if hasattr(body, "jaxpr") else body
+            consts = list(body.consts) if hasattr(body, "consts") else []
+            return _interp.eval_jaxpr_with(inner, consts, invals, rule)
+        return None
+
+    return _interp.retrace(closed, rule)
 
 
 def unwrap_jit(fn: Callable) -> Callable:

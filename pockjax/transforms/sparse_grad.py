@@ -186,7 +186,7 @@ def sparse_grad(scheme: UpdateScheme, *, sparse_opt_state: bool = False):
         >>> graph = pockjax.trace_step(step, (params, tx.init(params), jnp.ones((5, 3))))
         >>> sparse = pockjax.dce(pockjax.sparse_grad(pockjax.UpdateScheme({"b": "full"}))(graph))
         >>> pockjax.count_primitives(graph)["dot_general"], pockjax.count_primitives(sparse)["dot_general"]
-        (4, 2)
+        (5, 3)
     """
 
     def apply(graph: TrainGraph) -> TrainGraph:
