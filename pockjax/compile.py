@@ -88,7 +88,6 @@ class CompiledStep:
     in_tree: Any
     out_builder: Callable
     passthrough: tuple  # per graph output: input index it forwards, or None
-    computed_outputs: tuple
     _summary: PruneSummary | None = None
 
     @property
@@ -160,14 +159,13 @@ def _is_nnx_module(x) -> bool:
 class CompiledFunction:
     """What :func:`compile` returns: a train step with the original signature."""
 
-    def __init__(self, step, scheme, passes, backend, donate, target_options):
+    def __init__(self, step, scheme, passes, backend, donate):
         functools.update_wrapper(self, step)
         self.step = step
         self.scheme = scheme
         self.passes = passes
         self.backend = backend
         self.donate = donate
-        self.target_options = target_options or {}
         self._cache: dict = {}
 
     # -- public helpers ---------------------------------------------------------
@@ -269,7 +267,6 @@ class CompiledFunction:
             in_tree=in_tree,
             out_builder=build,
             passthrough=passthrough,
-            computed_outputs=computed,
         )
 
     # -- Flax NNX steps -------------------------------------------------------------
@@ -346,7 +343,6 @@ def compile(
     passes: Pass | None = None,
     backend: str = "xla",
     donate: bool = True,
-    target_options: dict | None = None,
 ):
     """Compile a whole train step with pockjax's passes.
 
@@ -386,7 +382,7 @@ def compile(
     """
 
     def wrap(fn):
-        return CompiledFunction(fn, scheme, passes, backend, donate, target_options)
+        return CompiledFunction(fn, scheme, passes, backend, donate)
 
     if step is None:
         return wrap

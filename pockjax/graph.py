@@ -21,7 +21,6 @@ from pockjax import _compat as C
 from pockjax import tags
 from pockjax.errors import StepSignatureError
 from pockjax.paths import leaf_paths
-from pockjax.paths import keypath_to_parts
 
 PARAM = "param"
 OPT_STATE = "opt_state"
@@ -88,8 +87,14 @@ class TrainGraph:
         )
 
 
-def _optstate_param_map(opt_paths: Sequence[str], opt_shapes, param_paths, param_shapes) -> list[int | None]:
-    """For each optimizer-state leaf, the parameter it mirrors (suffix path + shape)."""
+def optstate_param_map(opt_paths: Sequence[str], opt_shapes, param_paths, param_shapes) -> list[int | None]:
+    """For each optimizer-state leaf, the parameter it mirrors, or None.
+
+    A state leaf mirrors the parameter whose dotted path is the longest suffix
+    of the state leaf's path and whose shape is the same (``mu.layers.0.w``
+    mirrors ``layers.0.w``). Optax states, ``nnx.Optimizer`` states and
+    ``MaskedState`` all lay out per-parameter state this way.
+    """
     by_parts = {}
     for j, (p, s) in enumerate(zip(param_paths, param_shapes)):
         by_parts.setdefault(tuple(p.split(".")) if p else (), []).append((j, s))
@@ -212,7 +217,7 @@ def trace_step(
 
     shapes = [a.shape for a in avals]
     opt_idx = [i for i, r in enumerate(in_roles) if r == OPT_STATE]
-    mapping = _optstate_param_map(
+    mapping = optstate_param_map(
         [in_paths[i].split(".", 1)[1] if "." in in_paths[i] else "" for i in opt_idx],
         [shapes[i] for i in opt_idx],
         [in_paths[i] for i in param_idx],
@@ -307,9 +312,4 @@ def _check_outputs(out, args, n_state_args: int) -> None:
                 )
 
 
-def param_paths_of(graph: TrainGraph) -> dict[int, str]:
-    """``{input index: dotted path}`` of the parameter inputs."""
-    return {i: graph.in_paths[i] for i in graph.inputs_with_role(PARAM)}
-
-
-__all__ = ["TrainGraph", "trace_step", "PARAM", "OPT_STATE", "BATCH", "MODEL_STATE", "AUX", "keypath_to_parts"]
+__all__ = ["TrainGraph", "trace_step", "PARAM", "OPT_STATE", "BATCH", "MODEL_STATE", "AUX"]

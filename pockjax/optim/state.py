@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pockjax.graph import _optstate_param_map
+from pockjax.graph import optstate_param_map
 from pockjax.paths import leaf_paths
 from pockjax.scheme import ChannelSelect, Frozen, UpdateScheme
 from pockjax.transforms import slicing
@@ -86,7 +86,7 @@ def init_opt_state(tx, params, scheme: UpdateScheme) -> SparseOptState:
     param_leaves = jax.tree.leaves(params)
     param_paths = leaf_paths(params)
     rules = scheme.resolve(param_paths, [np.shape(p) for p in param_leaves])
-    mapping = _optstate_param_map(
+    mapping = optstate_param_map(
         leaf_paths(full), [x.shape for x in full_leaves], param_paths, [np.shape(p) for p in param_leaves]
     )
     modes = []
