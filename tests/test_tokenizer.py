@@ -70,6 +70,17 @@ def test_digits_are_split_one_by_one(tok):
     assert pieces[-4:] == ["2", "0", "2", "4"]
 
 
+def test_training_prompt_tokens_equal_generation_prompt(tok):
+    from pockjax.data import encode_example, make_examples
+
+    ex = make_examples("reverse_words", 1, seed=0)[0]
+    ids, n_prompt = encode_example(tok, ex)
+    assert ids[:n_prompt] == tok.apply_chat_template(ex.messages())
+    assert tok.decode(ids[n_prompt:]) == ex.answer + "<|im_end|>"
+    # tokenizing prompt and answer apart agrees with tokenizing the whole text
+    assert tok.encode(tok.decode(ids)) == ids
+
+
 def test_render_chatml_generation_prompt():
     text = render_chatml([{"role": "user", "content": "x"}], add_generation_prompt=False)
     assert text == "<|im_start|>user\nx<|im_end|>\n"

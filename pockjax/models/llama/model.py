@@ -553,8 +553,12 @@ def answer_loss(model: Llama, batch: dict, window: int) -> jax.Array:
       >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
       >>> batch = {"tokens": jnp.array([[5, 6, 7, 8, 0]]), "targets": jnp.array([[6, 7, 8, 0, 0]]),
       ...          "loss_mask": jnp.array([[0., 1., 1., 0., 0.]]), "loss_start": jnp.array([1])}
-      >>> full = next_token_loss(model(batch["tokens"]), batch["targets"], batch["loss_mask"])
-      >>> bool(jnp.allclose(answer_loss(model, batch, window=2), full, atol=1e-6))
+      >>> @nnx.jit
+      ... def both(model, batch):
+      ...     full = next_token_loss(model(batch["tokens"]), batch["targets"], batch["loss_mask"])
+      ...     return full, answer_loss(model, batch, window=2)
+      >>> full, windowed = both(model, batch)
+      >>> bool(jnp.allclose(windowed, full, atol=1e-6))
       True
     """
     tokens = batch["tokens"]
