@@ -90,7 +90,16 @@ def test_full_flat_call_has_jax_semantics():
     ref = [np.asarray(o) for o in fs.flat_fun(*args)]
     assert len(outs) == len(ref)
     for a, b in zip(outs, ref):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6)
+    # Feeding the returned state back (the XLA-style loop) uploads only the batch.
+    uploads = []
+    put = exe.session.put
+    exe.session.put = lambda a: (uploads.append(np.shape(a)), put(a))[1]
+    outs2 = exe(*outs[: fs.n_state], *args[fs.n_state:])
+    assert uploads == [(4, 8), (4, 4)]
+    ref2 = [np.asarray(o) for o in fs.flat_fun(*ref[: fs.n_state], *args[fs.n_state:])]
+    for a, b in zip(outs2, ref2):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6)
 
 
 def test_state_stays_on_device_between_steps():

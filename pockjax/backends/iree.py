@@ -195,7 +195,11 @@ def versions() -> dict[str, str]:
     except ImportError:
         pass
     if "pockjax" not in out:
-        out["pockjax"] = "0.1.0+src"
+        try:
+            from pockjax import __version__ as pv
+        except Exception:  # noqa: BLE001 - a partial checkout
+            pv = "unknown"
+        out["pockjax"] = f"{pv}+src"
     return out
 
 
@@ -410,26 +414,32 @@ class IreeExecutable(StatefulModule):
         super().__init__(session, meta)
         self.compiled = compiled
 
-    def __call__(self, *flat_args, return_state: bool = True):
-        """Full flat call: returns all outputs (state outputs copied to host if ``return_state``).
+    def __call__(self, *flat_args):
+        """Flat call with the JAX function's signature: ``exe(*flat_args) -> flat_outs``.
 
-        State inputs given here overwrite the device state, so
-        ``exe(*flat_args)`` has the same semantics as the JAX function. For
-        training loops prefer :meth:`step`, which does not move the state.
+        State outputs come back as :class:`pockjax.runtime.DeviceBuffer` (still on
+        the device; ``np.asarray`` fetches them). Passing them back as the next
+        call's state inputs costs no transfer, so a loop
+        ``params, opt_state, loss = step(params, opt_state, batch)`` keeps the
+        weights on the device like the XLA step does. Host arrays given as state
+        are uploaded. Aux outputs (the loss) come back as NumPy arrays.
         """
         meta = self.metadata
         if len(flat_args) != len(meta.inputs):
             raise _rtmod.InputError(f"expected {len(meta.inputs)} flat inputs, got {len(flat_args)}")
-        self.set_state([np.asarray(flat_args[i]) for i in meta.state_inputs])
-        aux = self.step(*[np.asarray(flat_args[i]) for i in meta.batch_inputs])
-        aux_it = iter(aux)
-        state = self.get_state() if return_state else {}
+        for i in meta.state_inputs:
+            a = flat_args[i]
+            if isinstance(a, _rtmod.DeviceBuffer) and a.session is self.session:
+                self._state[i] = a.value
+            else:
+                self._state[i] = self.session.put(_rtmod._check_array(meta.inputs[i], np.asarray(a), "state"))
+        aux = iter(self.step(*[np.asarray(flat_args[i]) for i in meta.batch_inputs]))
         outs = []
         for spec in meta.outputs:
             if spec.role == "state":
-                outs.append(state.get(meta.inputs[spec.state_index].name))
+                outs.append(_rtmod.DeviceBuffer(self.session, self._state[spec.state_index], spec.shape, spec.dtype))
             else:
-                outs.append(next(aux_it))
+                outs.append(next(aux))
         return outs
 
     def export(self, path: str | os.PathLike, *, with_weights: bool = True, extra: Mapping[str, Any] | None = None):

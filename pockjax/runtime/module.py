@@ -56,6 +56,7 @@ __all__ = [
     "DeviceSession",
     "CommandLineSession",
     "StatefulModule",
+    "DeviceBuffer",
     "load",
     "read_metadata",
     "save_weights",
@@ -527,6 +528,39 @@ class CommandLineSession:
                 f"{' '.join(self.tool)} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}{proc.stdout[-2000:]}"
             )
         return [np.load(p) for p in outs]
+
+
+class DeviceBuffer:
+    """A lazily fetched device array: state returned by a call, still on the device.
+
+    ``np.asarray(buf)`` (or :meth:`to_host`) copies it to the host once; passing
+    it back as a state input of the session that made it costs no transfer.
+    """
+
+    __slots__ = ("session", "value", "shape", "dtype", "_host")
+
+    def __init__(self, session, value, shape, dtype):
+        self.session = session
+        self.value = value
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self._host = None
+
+    def to_host(self) -> np.ndarray:
+        if self._host is None:
+            self._host = self.session.get(self.value, self.dtype)
+        return self._host
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.to_host()
+        return a if dtype is None else a.astype(dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self):
+        return f"DeviceBuffer(shape={self.shape}, dtype={self.dtype.name})"
 
 
 class StatefulModule:
