@@ -202,6 +202,12 @@ def test_generate_batch_of_different_lengths_equals_one_by_one(model):
     assert argmax.tolist() == batch[0]
 
 
+def test_generate_in_chunks_equals_one_batch(model):
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [20], [30, 31, 32]]
+    chunked = llama.generate(model, prompts, max_new_tokens=6, batch_size=2)
+    assert chunked == llama.generate(model, prompts, max_new_tokens=6)
+
+
 def test_generate_stops_at_stop_ids(model):
     out = llama.generate(model, [[1, 2, 3]], max_new_tokens=6)[0]
     stopped = llama.generate(model, [[1, 2, 3]], max_new_tokens=6, stop_ids=[out[2]])[0]

@@ -215,3 +215,14 @@ def test_answer_window_loss_equals_full_loss(byte_tok):
 
     full, windowed = both(model, batch)
     assert abs(float(full) - float(windowed)) < 1e-5
+
+
+def test_evaluate_model_runs_generation(byte_tok):
+    from pockjax.data import evaluate_model
+
+    model = llama.Llama(LlamaConfig.tiny(vocab=byte_tok.vocab_size, max_seq_len=160),
+                        rngs=nnx.Rngs(0))
+    exs = make_examples("add", 3, seed=0)
+    result = evaluate_model(model, byte_tok, exs, max_new_tokens=4, batch_size=4)
+    assert result["total"] == 3 and len(result["predictions"]) == 3
+    assert result["accuracy"] == result["correct"] / 3
