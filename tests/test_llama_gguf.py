@@ -242,13 +242,24 @@ def test_smollm2_config(smollm2):
     assert model.config == LlamaConfig.smollm2_135m(max_seq_len=512, scan_layers=True)
 
 
+def _assert_same_top5(logits, ref_top5, ref_top5_logits, tol):
+    """Same top-5 token set at every position; a swap is only allowed with a
+    token whose logit ties the reference's 5th within ``tol`` (the fixture has
+    gaps of 3e-4 inside its top 5, so rank order is checked through the values)."""
+    top5 = np.argsort(-logits, axis=-1, kind="stable")[:, :5]
+    for pos in range(len(logits)):
+        extra = set(top5[pos].tolist()) - set(ref_top5[pos].tolist())
+        for token in extra:
+            assert logits[pos, token] >= ref_top5_logits[pos, 4] - tol, (pos, token)
+    np.testing.assert_allclose(np.take_along_axis(logits, ref_top5, -1), ref_top5_logits,
+                               atol=tol)
+    return float(np.mean(np.all(top5 == ref_top5, axis=-1)))
+
+
 def test_smollm2_logits_match_fixture(smollm2_logits, reference):
     logits = smollm2_logits
     tol = 1e-3 * float(reference["logit_range"])
-    top5 = np.argsort(-logits, axis=-1, kind="stable")[:, :5]
-    np.testing.assert_array_equal(top5, reference["top5"])
-    np.testing.assert_allclose(np.take_along_axis(logits, top5, -1), reference["top5_logits"],
-                               atol=tol)
+    _assert_same_top5(logits, reference["top5"], reference["top5_logits"], tol)
     np.testing.assert_allclose(logits[reference["slice_positions"], :reference["slices"].shape[1]],
                                reference["slices"], atol=tol)
 
@@ -281,7 +292,7 @@ def test_smollm2_matches_transformers_live(smollm2_logits, reference):
     chain = np.argmax(ref[len(prompt) - 1:-1], axis=-1).tolist()
     assert chain == generated
     ref = ref[:len(prompt)]
-    diff = np.abs(smollm2_logits - ref).max()
-    assert diff < 1e-3 * (ref.max() - ref.min())
-    np.testing.assert_array_equal(np.argsort(-smollm2_logits, -1, kind="stable")[:, :5],
-                                  np.argsort(-ref, -1, kind="stable")[:, :5])
+    tol = 1e-3 * (ref.max() - ref.min())
+    assert np.abs(smollm2_logits - ref).max() < tol
+    ref_top5 = np.argsort(-ref, -1, kind="stable")[:, :5]
+    _assert_same_top5(smollm2_logits, ref_top5, np.take_along_axis(ref, ref_top5, -1), tol)
