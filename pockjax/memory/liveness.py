@@ -512,7 +512,7 @@ class _Program:
             for ni in range(len(self.nodes) - 1, -1, -1):
                 for o in self.nodes[ni].outs:
                     if self.fused[o]:
-                        e = max(ext[c] for c in self.consumers[o])
+                        e = max((ext[c] for c in self.consumers[o]), default=ext[ni])
                         if e > ext[ni]:
                             ext[ni] = e
         for vid, v in enumerate(self.values):
