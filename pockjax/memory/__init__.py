@@ -34,7 +34,9 @@ from pockjax.memory.planner import (
     plan,
     xla_memory,
 )
+from pockjax.memory.hlo import update_positions
 from pockjax.memory.plot import plot_timeline
+from pockjax.memory.report import StepMemoryReport, memory_report
 from pockjax.memory.rss import RssResult, peak_rss, peak_rss_of_command
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "MemoryReport",
     "Plan",
     "RssResult",
+    "StepMemoryReport",
     "XlaComparison",
     "analyze",
     "aval_bytes",
@@ -54,9 +57,11 @@ __all__ = [
     "flat_roles",
     "format_bytes",
     "greedy_schedule",
+    "memory_report",
     "peak_rss",
     "peak_rss_of_command",
     "plan",
     "plot_timeline",
+    "update_positions",
     "xla_memory",
 ]
