@@ -2,57 +2,66 @@
 
 PockEngine (Zhu et al., MICRO 2023) for JAX: trace the whole train step,
 rewrite it with composable passes (``sparse_grad``, ``dce``, ...), compile it.
+
+Names are imported lazily, so that ``from pockjax import runtime`` works on a
+device where JAX is not installed.
 """
 
-from pockjax.analysis import PruneSummary, count_flops, count_primitives, summarize
-from pockjax.compile import CompiledFunction, CompiledStep, chain, compile, default_passes
-from pockjax.errors import (
-    BackendError,
-    ChannelRuleError,
-    PockjaxError,
-    SchemeError,
-    StepSignatureError,
-    UnknownRuleError,
-    UnmatchedPatternError,
-    UnsupportedPrimitiveError,
-)
-from pockjax.graph import TrainGraph, trace_step
-from pockjax.optim.state import SparseOptState, init_opt_state
-from pockjax.paths import leaf_paths
-from pockjax.scheme import Channels, Frozen, Full, UpdateScheme, channels
-from pockjax.transforms import dce, sparse_grad, strip_tags
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BackendError",
-    "ChannelRuleError",
-    "Channels",
-    "CompiledFunction",
-    "CompiledStep",
-    "Frozen",
-    "Full",
-    "PockjaxError",
-    "PruneSummary",
-    "SchemeError",
-    "SparseOptState",
-    "StepSignatureError",
-    "TrainGraph",
-    "UnknownRuleError",
-    "UnmatchedPatternError",
-    "UnsupportedPrimitiveError",
-    "UpdateScheme",
-    "chain",
-    "channels",
-    "compile",
-    "count_flops",
-    "count_primitives",
-    "dce",
-    "default_passes",
-    "init_opt_state",
-    "leaf_paths",
-    "sparse_grad",
-    "strip_tags",
-    "summarize",
-    "trace_step",
-]
+# public name -> module that defines it
+_EXPORTS = {
+    "PruneSummary": "pockjax.analysis",
+    "count_flops": "pockjax.analysis",
+    "count_primitives": "pockjax.analysis",
+    "summarize": "pockjax.analysis",
+    "CompiledFunction": "pockjax.compiler",
+    "CompiledStep": "pockjax.compiler",
+    "chain": "pockjax.compiler",
+    "compile": "pockjax.compiler",
+    "default_passes": "pockjax.compiler",
+    "BackendError": "pockjax.errors",
+    "ChannelRuleError": "pockjax.errors",
+    "PockjaxError": "pockjax.errors",
+    "SchemeError": "pockjax.errors",
+    "StepSignatureError": "pockjax.errors",
+    "UnknownRuleError": "pockjax.errors",
+    "UnmatchedPatternError": "pockjax.errors",
+    "UnsupportedPrimitiveError": "pockjax.errors",
+    "TrainGraph": "pockjax.graph",
+    "trace_step": "pockjax.graph",
+    "SparseOptState": "pockjax.optim.state",
+    "init_opt_state": "pockjax.optim.state",
+    "leaf_paths": "pockjax.paths",
+    "Channels": "pockjax.scheme",
+    "Frozen": "pockjax.scheme",
+    "Full": "pockjax.scheme",
+    "UpdateScheme": "pockjax.scheme",
+    "channels": "pockjax.scheme",
+    "dce": "pockjax.transforms.dce",
+    "sparse_grad": "pockjax.transforms.sparse_grad",
+    "strip_tags": "pockjax.transforms.strip_tags",
+}
+_SUBMODULES = ("analysis", "backends", "data", "memory", "models", "optim", "runtime", "scheme", "transforms")
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        module = importlib.import_module(_EXPORTS[name])
+        value = getattr(module, name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"pockjax.{name}")
+    raise AttributeError(f"module 'pockjax' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))

@@ -62,7 +62,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_memory(args: argparse.Namespace) -> int:
     import pockjax
-    from pockjax.compiler import default_passes
     from pockjax.memory import format_bytes, memory_report, plot_timeline
     from pockjax.memory.workloads import llama_workload
     from pockjax.optim.state import SparseOptState
@@ -72,7 +71,7 @@ def run_memory(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     w = llama_workload(args.model, args.scheme, batch=args.batch, seq=args.seq, abstract=True)
     sparse_state = isinstance(w.args[1], SparseOptState)
-    base = default_passes(w.scheme, sparse_state)
+    base = pockjax.default_passes(w.scheme, sparse_state)
     pipelines = {
         "default": base,
         "+ memory passes": pockjax.chain(base, inplace_update(), reorder_for_memory(args.remat_budget or None)),
