@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
 
+from pockjax.errors import PockjaxError
 import numpy as np
 
 from pockjax.data.tasks import Example
@@ -34,7 +35,7 @@ from pockjax.data.tasks import Example
 __all__ = ["Batcher", "SequenceLengthError", "collate", "encode_example", "end_of_turn_id"]
 
 
-class SequenceLengthError(ValueError):
+class SequenceLengthError(PockjaxError, ValueError):
     """An example, or the requested sequence length, does not fit."""
 
 

@@ -10,6 +10,7 @@ A bad line stops loading with an error that names the file and line number.
 
 from __future__ import annotations
 
+from pockjax.errors import PockjaxError
 import json
 import os
 
@@ -18,7 +19,7 @@ from pockjax.data.tasks import Example
 __all__ = ["DataError", "alpaca_prompt", "load_alpaca_jsonl", "save_alpaca_jsonl"]
 
 
-class DataError(ValueError):
+class DataError(PockjaxError, ValueError):
     """A data file is missing, empty, or has a malformed line."""
 
 

@@ -10,6 +10,7 @@ The file is read with the ``gguf`` package (``pip install gguf``).
 
 from __future__ import annotations
 
+from pockjax.errors import PockjaxError
 import importlib.resources
 import importlib.util
 import os
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 
-class GGUFError(ValueError):
+class GGUFError(PockjaxError, ValueError):
     """A GGUF file is missing, truncated, corrupt, or not what was expected."""
 
 
