@@ -47,8 +47,11 @@ def test_target_table_names_backends_and_drivers():
 
 def test_target_options_override_cpu_and_gpu_arch():
     assert "--iree-llvmcpu-target-cpu=cortex-a76" in targets.resolve("arm64", cpu="cortex-a76").flags
-    assert "--iree-cuda-target=sm_90" in targets.resolve("cuda", arch="sm_90").flags
+    assert "--iree-cuda-target=sm_86" in targets.resolve("cuda", arch="sm_86").flags
     assert "--iree-vulkan-target=rdna3" in targets.resolve("vulkan", arch="rdna3").flags
+    with pytest.warns(UserWarning, match="iree-org/iree#22147"):
+        hopper = targets.resolve("cuda", arch="sm_90")  # IREE 3.13 cannot target sm_90 itself
+    assert "--iree-cuda-target=sm_80" in hopper.flags and hopper.options["arch_requested"] == "sm_90"
     emb = targets.resolve("dsp", triple="riscv32-unknown-elf", static_library="/tmp/x.o")
     assert emb.backend == "llvm-cpu" and "--iree-llvmcpu-link-static" in emb.flags
     with pytest.raises(ValueError, match="unknown IREE target 'tpu'"):

@@ -11,9 +11,13 @@ name       backend       flags (defaults)                            driver
 cpu        llvm-cpu      target-cpu=host (this machine's CPU)        local-task
 arm64      llvm-cpu      triple aarch64-linux-gnu, +neon, generic    local-task
 vulkan     vulkan-spirv  --iree-vulkan-target=generic (lavapipe ok)  vulkan
-cuda       cuda          --iree-cuda-target=sm_80 (overridable)      cuda
+cuda       cuda          --iree-cuda-target=sm_80 (overridable*)     cuda
 dsp        vmvx          portable VM bytecode kernels                local-task
 =========  ============  ==========================================  =============
+
+(*) IREE 3.13 fails for ``sm_90`` and newer ("missing GPU target",
+iree-org/iree#22147); :func:`resolve` then compiles sm_80 PTX (JIT-compiled by
+the driver on Hopper/Blackwell) and warns.
 
 About ``dsp``: the IREE release pockjax is built on (iree-base-compiler 3.13)
 ships LLVM with the X86, ARM, AArch64, RISC-V and WebAssembly backends only;
@@ -40,6 +44,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -212,7 +218,21 @@ def resolve(
         if "static_library" in opts or "stack_allocation_limit" in opts:
             raise ValueError(f"static_library/stack_allocation_limit apply to llvm-cpu targets, not {target!r}")
         if backend == "cuda":
-            flags.append(f"--iree-cuda-target={opts['arch']}")
+            arch = str(opts["arch"])
+            m = re.fullmatch(r"sm_(\d+)a?", arch)
+            if m and int(m.group(1)) >= 90:
+                # iree-base-compiler 3.13 has no target details for sm_90+ and fails with
+                # "missing GPU target in #hal.executable.target" (iree-org/iree#22147).
+                # The module embeds PTX, which the CUDA driver JIT-compiles for newer GPUs,
+                # so sm_80 PTX runs on Hopper/Blackwell.
+                warnings.warn(
+                    f"IREE 3.13 cannot compile for {arch} (iree-org/iree#22147); compiling sm_80 PTX, "
+                    "which the CUDA driver JIT-compiles for this GPU",
+                    stacklevel=2,
+                )
+                opts["arch_requested"] = arch
+                opts["arch"] = arch = "sm_80"
+            flags.append(f"--iree-cuda-target={arch}")
         elif backend == "vulkan-spirv":
             flags.append(f"--iree-vulkan-target={opts['arch']}")
     flags += list(extra_flags)
