@@ -651,6 +651,9 @@ class StatefulModule:
         """Reads state from a parameter archive (entries matched by name)."""
         arrays = load_weights(path)
         names = set(self.state_names)
+        if self._in_module:
+            # Read-only state (frozen weights) comes from the archive the module was loaded with.
+            names = {self.metadata.inputs[i].name for i in self.metadata.mutable_state_inputs}
         missing = sorted(names - set(arrays))
         if missing:
             raise ModuleError(f"weights file {os.fspath(path)!r} lacks state entries {missing[:8]}")
