@@ -101,14 +101,43 @@ class CompiledStep:
             self._summary = summarize(dce(strip_tags(self.traced)), self.graph)
         return self._summary
 
+    def _xla(self):
+        if not isinstance(self.executable, XlaExecutable):
+            raise BackendError(f"{self.backend!r} steps have no XLA analysis; compile without target= for it")
+        return self.executable.compiled
+
+    def export(self, path, *, with_weights: bool = True) -> str:
+        """Write the compiled module and its metadata to directory ``path``.
+
+        Only IREE targets export (``pockjax.compile(..., target="cpu")``); the
+        directory holds ``module.vmfb``, ``module.json`` (tree structure,
+        shapes, dtypes, scheme, target, versions) and, with weights, a
+        parameter archive. Load it with ``pockjax.runtime.load(path)``.
+        """
+        if not isinstance(self.executable, IreeStepExecutable):
+            raise BackendError("only IREE-compiled steps export: compile with target='cpu' (or arm64, vulkan, ...)")
+        scheme = self.graph.meta.get("scheme")
+        extra = {
+            "in_tree": str(self.in_tree),
+            "scheme": scheme.to_dict() if scheme is not None else None,
+            "in_paths": list(self.graph.in_paths),
+        }
+        return self.executable.exe.export(path, with_weights=with_weights, extra=extra)
+
     def cost_analysis(self) -> dict:
         """XLA's cost analysis of the compiled program (``flops``, ``bytes accessed``...)."""
-        ca = self.executable.compiled.cost_analysis()
+        ca = self._xla().cost_analysis()
         return ca[0] if isinstance(ca, (list, tuple)) else ca
 
     def memory_analysis(self):
         """XLA's memory analysis of the compiled program."""
-        return self.executable.compiled.memory_analysis()
+        return self._xla().memory_analysis()
+
+    def memory_report(self):
+        """The planner's memory figures next to XLA's (see :mod:`pockjax.memory`)."""
+        from pockjax.memory import memory_report
+
+        return memory_report(self)
 
     def call_flat(self, flat_args: Sequence) -> list:
         computed = self.executable(*flat_args)
@@ -120,6 +149,56 @@ class CompiledStep:
         if tree != self.in_tree:
             raise StepSignatureError(f"arguments have structure {tree}, expected {self.in_tree}")
         return self.out_builder(self.call_flat(flat))
+
+
+class IreeStepExecutable:
+    """An IREE backend: the transformed step exported to StableHLO, compiled AOT.
+
+    Parameters, optimizer state and model state stay on the IREE device
+    between calls: outputs come back as device buffers that the next call
+    takes without a transfer; only the batch goes in and the aux outputs
+    (the loss) come back to the host.
+    """
+
+    name = "iree"
+
+    def __init__(self, graph: TrainGraph, computed_outputs: Sequence[int], target: str, options: dict | None):
+        from pockjax.backends import iree as piree
+
+        closed = graph.closed_jaxpr
+        fun_all = C.jaxpr_as_fun(closed)
+        computed = list(computed_outputs)
+
+        def fun(*args):
+            outs = fun_all(*args)
+            return [outs[o] for o in computed]
+
+        state_roles = (PARAM, OPT_STATE, MODEL_STATE)
+        state_mask = [role in state_roles for role in graph.in_roles]
+        state_outputs = {
+            k: graph.out_to_in[o] for k, o in enumerate(computed) if graph.out_to_in[o] is not None
+        }
+        self.target = target
+        self.exe = piree.compile_flat(
+            fun,
+            graph.in_avals,
+            target,
+            options,
+            state_mask=state_mask,
+            state_outputs=state_outputs,
+            input_names=list(graph.in_paths),
+            output_names=[graph.out_paths[o] for o in computed],
+            extra={"in_roles": list(graph.in_roles), "passes": list(graph.meta.get("passes", []))},
+            emulate=(target == "arm64"),
+        )
+        if not callable(self.exe):
+            raise BackendError(
+                f"target {target!r} compiled, but this machine cannot run it; "
+                "use CompiledStep.export(path) and pockjax.runtime on the device"
+            )
+
+    def __call__(self, *flat_args):
+        return self.exe(*flat_args)
 
 
 class XlaExecutable:
@@ -159,12 +238,14 @@ def _is_nnx_module(x) -> bool:
 class CompiledFunction:
     """What :func:`compile` returns: a train step with the original signature."""
 
-    def __init__(self, step, scheme, passes, backend, donate):
+    def __init__(self, step, scheme, passes, target, target_options, donate):
         functools.update_wrapper(self, step)
         self.step = step
         self.scheme = scheme
         self.passes = passes
-        self.backend = backend
+        self.target = target
+        self.target_options = dict(target_options or {})
+        self.backend = "xla" if target is None else f"iree:{target}"
         self.donate = donate
         self._cache: dict = {}
 
@@ -182,6 +263,20 @@ class CompiledFunction:
     def summary(self, *args) -> PruneSummary:
         """What the passes pruned for these arguments (equations, FLOPs)."""
         return self.lower(*args).summary()
+
+    def export(self, path, *example_args, with_weights: bool = True) -> str:
+        """Compile for these example arguments and export them as initial weights.
+
+        IREE targets only. The state leaves of ``example_args`` (parameters,
+        optimizer state) become the module's initial weights, so the runtime
+        continues training from them.
+        """
+        compiled = self.lower(*example_args)
+        if with_weights and isinstance(compiled.executable, IreeStepExecutable):
+            flat = jax.tree.leaves(example_args)
+            exe = compiled.executable.exe
+            exe.set_state([np.asarray(flat[i]) for i in exe.metadata.state_inputs])
+        return compiled.export(path, with_weights=with_weights)
 
     def __call__(self, *args):
         if args and _is_nnx_module(args[0]):
@@ -256,9 +351,10 @@ class CompiledFunction:
                 for i, role in enumerate(graph.in_roles)
                 if role in (PARAM, OPT_STATE, MODEL_STATE) and i not in forwarded
             ]
-        if self.backend != "xla":
-            raise BackendError(f"unknown backend {self.backend!r}; available: 'xla'")
-        executable = XlaExecutable(graph, computed, donate)
+        if self.target is None:
+            executable = XlaExecutable(graph, computed, donate)
+        else:
+            executable = IreeStepExecutable(graph, computed, self.target, self.target_options)
         return CompiledStep(
             traced=traced,
             graph=graph,
@@ -341,7 +437,8 @@ def compile(
     *,
     scheme: UpdateScheme | None = None,
     passes: Pass | None = None,
-    backend: str = "xla",
+    target: str | None = None,
+    target_options: dict | None = None,
     donate: bool = True,
 ):
     """Compile a whole train step with pockjax's passes.
@@ -353,8 +450,11 @@ def compile(
         or a Flax NNX step ``step(model, optimizer, *batch) -> aux``.
       scheme: the :class:`~pockjax.UpdateScheme`; ``None`` trains everything.
       passes: a pass pipeline to use instead of ``sparse_grad(scheme)`` + ``dce``.
-      backend: ``"xla"`` (in-process XLA).
-      donate: donate parameters and optimizer state buffers to the step.
+      target: ``None`` compiles in process with XLA; a name from
+        :mod:`pockjax.backends.targets` (``"cpu"``, ``"arm64"``, ``"vulkan"``,
+        ``"cuda"``, ``"dsp"``) compiles ahead of time with IREE.
+      target_options: IREE target options (``cpu=``, ``arch=``, ``features=``...).
+      donate: donate parameters and optimizer state buffers to the step (XLA).
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, pockjax
@@ -382,7 +482,12 @@ def compile(
     """
 
     def wrap(fn):
-        return CompiledFunction(fn, scheme, passes, backend, donate)
+        if target is not None:
+            from pockjax.backends import targets as _targets
+
+            if target not in _targets.names():
+                raise BackendError(f"unknown target {target!r}; available: {sorted(_targets.names())}")
+        return CompiledFunction(fn, scheme, passes, target, target_options, donate)
 
     if step is None:
         return wrap

@@ -183,8 +183,14 @@ def test_sparse_optimizer_state_matches_reference(scan, opt_name, data):
     check_against_reference(Transformer(layers=2, scan=scan), opt_name, data, sparse_state=True)
 
 
-@pytest.mark.parametrize("model", [MLP(), Transformer(), Transformer(scan=True)], ids=["mlp", "transformer", "transformer-scan"])
-@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+FULL_CASES = [(MLP(), name) for name in sorted(OPTIMIZERS)] + [
+    (model, name) for model in (Transformer(), Transformer(scan=True)) for name in ("adamw", "clip_adamw")
+]
+
+
+@pytest.mark.parametrize(
+    "model,opt_name", FULL_CASES, ids=[f"{type(m).__name__}{'-scan' if getattr(m, 'scan', False) else ''}-{n}" for m, n in FULL_CASES]
+)
 def test_all_full_scheme_equals_jit(model, opt_name):
     tx = OPTIMIZERS[opt_name]()
     params = model.init(jax.random.key(0))

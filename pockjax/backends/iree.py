@@ -206,7 +206,7 @@ def versions() -> dict[str, str]:
 def export_stablehlo(fun: Callable, flat_avals: Sequence[Any]) -> str:
     """Exports ``fun(*flat_args)`` to StableHLO text (entry ``main``) via ``jax.export``."""
     avals = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in flat_avals]
-    exported = jax.export.export(jax.jit(fun))(*avals)
+    exported = jax.export.export(jax.jit(fun, keep_unused=True))(*avals)
     return exported.mlir_module()
 
 
