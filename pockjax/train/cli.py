@@ -1,0 +1,113 @@
+"""``pockjax finetune`` and ``pockjax generate`` (registered by :mod:`pockjax.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pockjax.train.finetune import DEFAULT_LR, FinetuneConfig
+from pockjax.train.schemes import DEFAULT_BLOCKS, SCHEMES
+
+_D = FinetuneConfig()
+
+
+def _error(command: str, e: BaseException) -> int:
+    msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    print(f"pockjax {command}: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _bad_input():
+    from pockjax.errors import PockjaxError
+
+    return (PockjaxError, FileNotFoundError, KeyError, ValueError, OSError)
+
+
+def run_finetune(args: argparse.Namespace) -> int:
+    from pockjax.train.finetune import finetune
+
+    fields = {k: getattr(args, k) for k in (
+        "model", "task", "data", "scheme", "blocks", "optimizer", "lr", "steps", "batch_size",
+        "seq_len", "seed", "eval_examples", "save_every", "out", "resume", "show")}
+    if fields["steps"] is None and not args.resume:
+        fields["steps"] = _D.steps
+    fields["progress"] = not args.no_progress
+    try:
+        result = finetune(FinetuneConfig(**fields))
+    except _bad_input() as e:
+        return _error("finetune", e)
+    after = result.metrics.get("accuracy_after")
+    return 0 if after is None or not args.fail_below or after >= args.fail_below else 1
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from pockjax.models import llama
+
+    try:
+        model, tok = llama.load_pretrained(args.model)
+        answers = llama.generate_text(model, tok, args.prompt, max_new_tokens=args.max_new_tokens,
+                                      temperature=args.temperature, top_p=args.top_p,
+                                      seed=args.seed)
+    except _bad_input() as e:
+        return _error("generate", e)
+    for prompt, answer in zip(args.prompt, answers):
+        if len(args.prompt) > 1:
+            print(f">>> {prompt}")
+        print(answer.strip())
+    return 0
+
+
+def register(subparsers) -> None:
+    """Adds ``finetune`` and ``generate`` to the ``pockjax`` command."""
+    from pockjax.data import TASKS
+
+    p = subparsers.add_parser(
+        "finetune", help="sparse fine-tuning of a LLaMA model on a task or a JSONL file",
+        description="Fine-tune a LLaMA model with a sparse update scheme (default: SmolLM2-135M"
+                    " learns to reverse the words of a sentence with the PockEngine 'paper'"
+                    " scheme, about 10-15 minutes on a 2-core CPU).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=_D.model,
+                   help="smollm2-135m, a .gguf file, or a Hugging Face LLaMA directory")
+    p.add_argument("--task", default=_D.task, choices=sorted(TASKS), help="built-in task")
+    p.add_argument("--data", default=None, metavar="FILE.jsonl",
+                   help="Alpaca-format JSONL (instruction, input, output) instead of --task")
+    p.add_argument("--scheme", default=_D.scheme, metavar="|".join(SCHEMES) + "|FILE",
+                   help="update scheme, or a JSON scheme file (UpdateScheme.to_dict)")
+    p.add_argument("--blocks", type=int, default=None,
+                   help=f"last blocks trained by paper/channels (default {DEFAULT_BLOCKS})")
+    p.add_argument("--optimizer", default=_D.optimizer, choices=sorted(DEFAULT_LR))
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate (default: " + ", ".join(
+                       f"{k} {v:g}" for k, v in DEFAULT_LR.items()) + ")")
+    p.add_argument("--steps", type=int, default=None, help=f"training steps (default {_D.steps};"
+                   " with --resume: the run's own)")
+    p.add_argument("--batch-size", type=int, default=_D.batch_size)
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="row length (default: the longest example, rounded up to 16)")
+    p.add_argument("--seed", type=int, default=_D.seed)
+    p.add_argument("--eval-examples", type=int, default=_D.eval_examples,
+                   help="held-out examples for exact match before and after (0: skip)")
+    p.add_argument("--save-every", type=int, default=_D.save_every,
+                   help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--show", type=int, default=_D.show, help="generations shown before/after")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output directory: weights, tokenizer, scheme, metrics, resume state")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--fail-below", type=float, default=None, metavar="ACC",
+                   help="exit with status 1 if the held-out accuracy ends below ACC")
+    p.set_defaults(func=run_finetune)
+
+    g = subparsers.add_parser(
+        "generate", help="answer a prompt with a base or fine-tuned model",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m, a .gguf file, or a directory written by finetune --out")
+    g.add_argument("--prompt", action="append", required=True,
+                   help="user message (repeat for several prompts)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(func=run_generate)
