@@ -64,3 +64,16 @@ def test_unknown_target_and_xla_only_analyses():
     step = pockjax.compile(make_step(MODEL, tx), scheme=SCHEME)
     with pytest.raises(pockjax.BackendError, match="only IREE-compiled steps export"):
         step.export("/tmp/never", params, tx.init(params), MODEL.batch(jax.random.key(1)))
+
+
+def test_cli_export_tiny_llama_runs_in_runtime(tmp_path):
+    from pockjax import runtime
+    from pockjax.cli import main
+
+    out = tmp_path / "tiny-dsp"
+    assert main(["export", "--model", "tiny", "--scheme", "paper", "--blocks", "1", "--target", "dsp",
+                 "--seq-len", "16", "--out", str(out)]) == 0
+    module = runtime.load(out)
+    tokens = np.ones((1, 16), np.int32)
+    losses = [float(np.asarray(module.step(tokens, tokens, np.ones((1, 16), np.float32))[0])) for _ in range(3)]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
