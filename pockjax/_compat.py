@@ -85,6 +85,11 @@ def source_context(eqn: JaxprEqn):
     return _siu.user_context(eqn.source_info.traceback, name_stack=name_stack)
 
 
+def summarize_source_info(source_info) -> str:
+    """``file:line (function)`` of an equation's source info."""
+    return _siu.summarize(source_info)
+
+
 def get_bind_params(primitive, params: dict) -> dict:
     """Params to re-bind ``primitive`` with (JAX 0.10: params only, no subfuns)."""
     out = primitive.get_bind_params(params)

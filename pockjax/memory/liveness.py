@@ -788,13 +788,11 @@ def _reader_phases(prog: "_Program", phases: np.ndarray) -> np.ndarray:
 def _describe_source(sources: tuple) -> str:
     """File:line of the first user frame, from the equation outwards through the
     calls it was inlined from (JAX's own jitted helpers have no user frame)."""
-    try:
-        from jax._src import source_info_util  # TODO: move into pockjax._compat
-    except ImportError:  # pragma: no cover
-        return "?"
+    from pockjax._compat import summarize_source_info
+
     for si in sources:
         try:
-            text = source_info_util.summarize(si)
+            text = summarize_source_info(si)
         except Exception:  # noqa: BLE001 - source info is best effort
             continue
         if text and "site-packages/jax/" not in text:
