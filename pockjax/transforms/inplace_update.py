@@ -275,6 +275,12 @@ def inplace_update(*, barrier: bool = True):
                 if cross:
                     barriers[cut] = (upd, cross)
 
+        next_backward: dict[int, int] = {}
+        upcoming = None
+        for k in range(len(order) - 1, -1, -1):
+            next_backward[k] = upcoming if upcoming is not None else order[k]
+            if order[k] in b_set:
+                upcoming = order[k]
         consts = list(graph.closed_jaxpr.consts)
 
         def fun(*args):
@@ -295,7 +301,10 @@ def inplace_update(*, barrier: bool = True):
                         env[v] = x
                 if k in barriers:
                     vs = barriers[k][0] + barriers[k][1]
-                    new = jax.lax.optimization_barrier([env[v] for v in vs])
+                    # named like the backward equation that follows, so the liveness
+                    # analysis keeps counting the cotangents it carries as backward values
+                    with C.source_context(eqns[next_backward[k]]):
+                        new = jax.lax.optimization_barrier([env[v] for v in vs])
                     for v, x in zip(vs, new):
                         env[v] = x
             return [read(v) for v in jaxpr.outvars]

@@ -49,11 +49,12 @@ _CHEAP = frozenset(
     {
         "add", "sub", "mul", "neg", "max", "min", "abs", "select_n", "convert_element_type",
         "square", "integer_pow", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
-        "sign", "clamp", "add_any",
+        "sign", "clamp", "add_any", "transpose", "pockjax_param_tag",
     }
 )
 _TRANSCENDENTAL = frozenset({"exp", "log", "tanh", "logistic", "rsqrt", "sqrt", "div", "erf", "sin", "cos"})
-_NO_FLOP = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type"})
+_NO_FLOP = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "transpose",
+                      "pockjax_param_tag"})
 
 
 def _nbytes(aval: Any) -> int:
@@ -215,11 +216,17 @@ def _apply_remat(graph: TrainGraph, chosen: dict) -> TrainGraph:
                     None,
                 )
                 vals = [read(u) for u in ext] + ([read(anchor)] if anchor is not None else [])
-                vals = jax.lax.optimization_barrier(vals)
+                with C.source_context(e):  # counted in the reader's (backward) phase
+                    vals = jax.lax.optimization_barrier(vals)
                 local = dict(zip(ext, vals))
                 for c in chain:
                     ce = eqns[c]
-                    outs = _interp.bind_eqn(ce, [u.val if isinstance(u, C.Literal) else local[u] for u in ce.invars])
+                    with C.source_context(e):
+                        outs = ce.primitive.bind(
+                            *[u.val if isinstance(u, C.Literal) else local[u] for u in ce.invars],
+                            **C.get_bind_params(ce.primitive, dict(ce.params)),
+                        )
+                    outs = list(outs) if ce.primitive.multiple_results else [outs]
                     for ov, x in zip(ce.outvars, outs):
                         local[ov] = x
                 swapped[v] = local[v]
