@@ -134,7 +134,7 @@ def make_optimizer(name: str, lr: float | None = None) -> optax.GradientTransfor
     """An Optax optimizer by name (``adamw``, ``adam``, ``sgd``, ``lion``).
 
     Example:
-      >>> make_optimizer("sgd", 0.1).init({"w": jnp.zeros(2)})[0].trace.shape
+      >>> make_optimizer("sgd", 0.1).init({"w": jnp.zeros(2)})[0].trace["w"].shape
       (2,)
     """
     key = name.lower()
@@ -312,7 +312,6 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
 
     # -- 1. validate everything before touching the output directory ----------------
     resume_state = None
-    given_model = None
     if out:
         _recover(out)
     if cfg.resume:
@@ -342,7 +341,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     elif tokenizer is None:
         raise FinetuneError("pass a tokenizer with the model")
     else:
-        given_model = model
+        cfg.model = "(given model)"
     if model.config.scan_layers:
         raise FinetuneError("finetune trains an unrolled model (scan_layers=False): pockjax"
                             " prunes the backward pass per block there")
@@ -383,7 +382,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         metrics = {"losses": [], "accuracy_before": None}
 
     trainable, total = description.trainable, description.total
-    source = out if cfg.resume else (cfg.model if given_model is None else "(given model)")
+    source = out if cfg.resume else cfg.model
     log(f"model {source}: {total / 1e6:.1f}M parameters,"
         f" {model.config.n_layers} blocks")
     log(f"scheme {scheme.name or cfg.scheme}: {trainable / 1e6:.2f}M trainable"
@@ -476,7 +475,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     s_per_step = float(np.mean(steady)) if steady else float("nan")
     wall = time.time() - t_start
     metrics.update({
-        "model": cfg.model if given_model is None else "(given model)", "data": data_name, "scheme": scheme.name or cfg.scheme,
+        "model": cfg.model, "data": data_name, "scheme": scheme.name or cfg.scheme,
         "trainable_params": trainable, "total_params": total,
         "steps": cfg.steps, "steps_this_run": len(step_times), "batch_size": cfg.batch_size,
         "seq_len": batcher.seq_len, "compile_seconds": compile_s,

@@ -21,7 +21,7 @@ Example:
   >>> [p for p, _ in scheme.rules][:2]
   ['layers.1.attn.wq.kernel', 'layers.1.attn.wk.kernel']
   >>> scheme.describe(llama.split(model)[1]).trainable
-  30720
+  24576
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def llama_scheme(name: str, config: Any, *, blocks: int | None = None,
         rules = [(f"layers.{i}.{t}.kernel", rule)
                  for i in _last_blocks(config, blocks) for t in _PAPER_TENSORS]
         n = len(_last_blocks(config, blocks))
-        return pockjax.UpdateScheme(rules, name=f"{key} (last {n} blocks)")
+        return pockjax.UpdateScheme(rules, name=f"{key} (last {n} block{'s' if n > 1 else ''})")
     if os.path.exists(name) or name.endswith(".json"):
         return load_scheme_file(name)
     raise SchemeError(f"unknown scheme {name!r}; use one of {', '.join(SCHEMES)}"
