@@ -36,6 +36,11 @@ def run_finetune(args: argparse.Namespace) -> int:
         result = finetune(FinetuneConfig(**fields))
     except _bad_input() as e:
         return _error("finetune", e)
+    except KeyboardInterrupt:
+        hint = (f"; continue from the last checkpoint with: pockjax finetune --out {args.out}"
+                f" --resume" if args.out else "")
+        print(f"pockjax finetune: interrupted{hint}", file=sys.stderr)
+        return 130
     after = result.metrics.get("accuracy_after")
     return 0 if after is None or not args.fail_below or after >= args.fail_below else 1
 
