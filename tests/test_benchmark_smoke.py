@@ -1,0 +1,22 @@
+"""Benchmarks run in a small configuration so they cannot rot."""
+
+import importlib.util
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_iree_vs_xla_tiny(tmp_path):
+    out = tmp_path / "ivx.json"
+    bench = _load("iree_vs_xla")
+    assert bench.main(["--model", "tiny", "--schemes", "paper", "--blocks", "1", "--steps", "2", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["xla_step_s"] > 0 and row["cpu_step_s"] > 0 and row["module_bytes"] > 10_000
