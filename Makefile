@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup system-deps finetune test test-fast clean
+.PHONY: setup system-deps finetune quickstart test test-fast clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,9 +22,12 @@ setup: $(STAMP)
 system-deps:
 	bash .ci/system-deps.sh
 
-# The main job: a sparse fine-tune of the default model on the default task.
-# (Until `pockjax finetune` on SmolLM2 lands, this is the quickstart example.)
+# The main job: a sparse fine-tune of the default model (SmolLM2-135M-Instruct)
+# on the default task (reverse the words of a sentence), about 15 minutes on 2 CPU cores.
 finetune: setup
+	$(PY) -m pockjax.cli finetune --out runs/finetune
+
+quickstart: setup
 	$(PY) examples/quickstart.py
 
 test: setup system-deps
