@@ -31,23 +31,6 @@ def build(model_name: str):
     return model
 
 
-def make_step(graphdef, tx):
-    import jax
-    import optax
-
-    from pockjax.models import llama
-
-    def train_step(params, opt_state, tokens, targets, mask):
-        def loss_fn(p):
-            return llama.next_token_loss(llama.apply(graphdef, p, tokens), targets, mask)
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return train_step
-
-
 def time_steps(step, params, opt_state, batch, steps: int) -> list[float]:
     import numpy as np
 
@@ -81,6 +64,7 @@ def main(argv=None) -> int:
     import pockjax
     from pockjax.models import llama
     from pockjax.train.schemes import DEFAULT_BLOCKS, llama_scheme
+    from pockjax.train.steps import lm_train_step
 
     model = build(args.model)
     graphdef, params = llama.split(model)
@@ -95,7 +79,7 @@ def main(argv=None) -> int:
         result = {"scheme": name, "model": args.model, "batch": args.batch_size, "seq": args.seq_len}
         for backend in ("xla", args.target):
             step = pockjax.compile(
-                make_step(graphdef, tx), scheme=scheme, target=None if backend == "xla" else backend
+                lm_train_step(graphdef, tx), scheme=scheme, target=None if backend == "xla" else backend
             )
             p = jax.tree.map(jnp.copy, params)
             s = pockjax.init_opt_state(tx, p, scheme)

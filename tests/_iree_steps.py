@@ -9,7 +9,6 @@ plain dict of parameters, flattened to the flat-array form the lead's
 from __future__ import annotations
 
 import functools
-import os
 import shutil
 import subprocess
 from dataclasses import dataclass

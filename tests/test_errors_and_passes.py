@@ -72,7 +72,6 @@ def test_unsupported_primitive_is_named():
         outs = opaque_call_p.bind(*flat, jaxpr=closed)
         return jax.tree.unflatten(jax.tree.structure(inner(params, opt_state, batch)), outs)
 
-    scheme = pockjax.UpdateScheme({"dense1.*": "full"})
     graph = pockjax.trace_step(step, (params, opt_state, batch))
     with pytest.raises(pockjax.UnsupportedPrimitiveError, match="opaque_call"):
         pockjax.dce(graph)

@@ -3,7 +3,6 @@
 import json
 import os
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -14,7 +13,6 @@ from pockjax.data import DataError, SequenceLengthError
 from pockjax.models import llama
 from pockjax.models.llama import GGUFError
 from pockjax.train import FinetuneConfig, FinetuneError, finetune, llama_scheme
-from pockjax.train import finetune as ft_module
 from pockjax.train.finetune import OUTPUT_FILES
 
 TINY = llama.LlamaConfig.tiny(vocab=259, max_seq_len=256)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import numpy as np
 import optax
 import pytest
 

@@ -1,6 +1,5 @@
 """UpdateScheme: patterns, rules, errors and describe()."""
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

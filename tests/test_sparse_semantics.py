@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import pockjax
-from pockjax.scheme import ChannelSelect, Frozen, Full
+from pockjax.scheme import Frozen, Full
 from toy_models import MLP, Transformer, make_step
 
 OPTIMIZERS = {

@@ -37,13 +37,13 @@ def register(subparsers) -> None:
 
 def run_export(args) -> int:
     import jax.numpy as jnp
-    import jax
     import optax
     from flax import nnx
 
     import pockjax
     from pockjax.models import llama
     from pockjax.train.schemes import DEFAULT_BLOCKS, llama_scheme
+    from pockjax.train.steps import lm_train_step
 
     if args.model == "tiny":
         model = llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
@@ -54,14 +54,7 @@ def run_export(args) -> int:
     graphdef, params = llama.split(model)
     scheme = llama_scheme(args.scheme, model.config, blocks=args.blocks or min(DEFAULT_BLOCKS, model.config.n_layers))
     tx = optax.adamw(args.lr)
-
-    def train_step(params, opt_state, tokens, targets, loss_mask):
-        def loss_fn(p):
-            return llama.next_token_loss(llama.apply(graphdef, p, tokens), targets, loss_mask)
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    train_step = lm_train_step(graphdef, tx)
 
     options = {k: v for k, v in (("cpu", args.cpu), ("arch", args.arch)) if v}
     step = pockjax.compile(train_step, scheme=scheme, target=args.target, target_options=options)

@@ -31,9 +31,8 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np

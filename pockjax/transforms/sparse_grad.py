@@ -25,7 +25,7 @@ gradient norm does not square and sum the zeros of frozen parameters).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

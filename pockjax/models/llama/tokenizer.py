@@ -175,8 +175,8 @@ class Tokenizer:
         except ImportError:
             if template is not None and "<|im_start|>" in template:
                 return chatml
-            raise ImportError(f"rendering this model's chat template needs jinja2"
-                              f" (pip install jinja2)") from None
+            raise ImportError("rendering this model's chat template needs jinja2"
+                              " (pip install jinja2)") from None
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
         def raise_exception(msg):

@@ -1,0 +1,42 @@
+"""Ordinary (full) train steps for LLaMA models, written as a user would.
+
+pockjax compiles them with a scheme; nothing here knows about sparsity.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+def lm_train_step(graphdef: Any, tx: Any) -> Callable:
+    """``step(params, opt_state, tokens, targets, loss_mask) -> (params, opt_state, loss)``.
+
+    Next-token cross-entropy over the positions where ``loss_mask`` is 1,
+    ``jax.value_and_grad`` over ``params`` (from ``llama.split``), then ``tx``.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> from pockjax.models import llama
+        >>> graphdef, params = llama.split(llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0)))
+        >>> tx = optax.sgd(0.1)
+        >>> step = lm_train_step(graphdef, tx)
+        >>> t = jnp.ones((1, 4), jnp.int32)
+        >>> params, _, loss = step(params, tx.init(params), t, t, jnp.ones((1, 4)))
+        >>> loss.shape
+        ()
+    """
+    import jax
+    import optax
+
+    from pockjax.models import llama
+
+    def train_step(params, opt_state, tokens, targets, loss_mask):
+        def loss_fn(p):
+            return llama.next_token_loss(llama.apply(graphdef, p, tokens), targets, loss_mask)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return train_step
