@@ -141,12 +141,13 @@ def llama_workload(
         graphdef, params = llama.split(m)
         del m
 
+    # under jit, so that the state of frozen parameters is never allocated (dead code)
     if upd is None:
-        opt_state = jax.eval_shape(tx.init, params) if abstract else tx.init(params)
+        opt_state = jax.eval_shape(tx.init, params) if abstract else jax.jit(tx.init)(params)
     elif abstract:
         opt_state = jax.eval_shape(lambda p: pockjax.init_opt_state(tx, p, upd), params)
     else:
-        opt_state = pockjax.init_opt_state(tx, params, upd)
+        opt_state = jax.jit(lambda p: pockjax.init_opt_state(tx, p, upd))(params)
 
     if abstract:
         tok = jax.ShapeDtypeStruct((batch, seq), jnp.int32)

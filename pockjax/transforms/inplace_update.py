@@ -95,7 +95,7 @@ def update_schedule(jaxpr: C.Jaxpr) -> dict:
       >>> g = pockjax.trace_step(step, (p, tx.init(p), jnp.ones((2, 4))))
       >>> s = update_schedule(g.jaxpr)
       >>> sorted(s["order"]) == list(range(len(g.jaxpr.eqns))), len(s["cuts"])
-      (True, 2)
+      (True, 3)
     """
     eqns = list(jaxpr.eqns)
     n = len(eqns)
