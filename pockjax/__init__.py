@@ -44,6 +44,8 @@ _EXPORTS = {
     "UpdateScheme": "pockjax.scheme",
     "channels": "pockjax.scheme",
     "dce": "pockjax.transforms.dce",
+    "inplace_update": "pockjax.transforms.inplace_update",
+    "reorder_for_memory": "pockjax.transforms.reorder_for_memory",
     "sparse_grad": "pockjax.transforms.sparse_grad",
     "strip_tags": "pockjax.transforms.strip_tags",
 }

@@ -108,19 +108,20 @@ def init_opt_state(tx, params, scheme: UpdateScheme) -> SparseOptState:
             out.append(slicing.take(r, p) if isinstance(r, ChannelSelect) else p)
         return jax.tree_util.tree_unflatten(jax.tree.structure(params), out)
 
-    sub = jax.tree.leaves(tx.init(sliced_params())) if any(isinstance(r, ChannelSelect) for r in rules) else None
-    values = jax.tree.leaves(tx.init(params)) if sub is None else sub
-    kept = []
-    for value, mode, aval in zip(values, modes, full_leaves):
-        if mode == "drop":
-            continue
+    # Under jit, the state of frozen parameters is dead code: never allocated.
+    def kept_state(p):
+        leaves = jax.tree.leaves(tx.init(p))
+        return [x for x, mode in zip(leaves, modes) if mode != "drop"]
+
+    kept = jax.jit(kept_state)(sliced_params())
+    kept_modes = [(m, a) for m, a in zip(modes, full_leaves) if m != "drop"]
+    for value, (mode, aval) in zip(kept, kept_modes):
         expected = slicing.sliced_shape(mode, aval.shape) if isinstance(mode, ChannelSelect) else aval.shape
         if tuple(np.shape(value)) != tuple(expected):
             raise ValueError(
                 f"optimizer state leaf of shape {np.shape(value)} does not match the expected {expected}; "
                 "this optimizer's state is not elementwise in the parameters: use tx.init(params)"
             )
-        kept.append(value)
     return SparseOptState(kept, layout)
 
 
