@@ -61,8 +61,22 @@ def contains(jaxpr, predicate: Callable[[C.JaxprEqn], bool]) -> bool:
     return False
 
 
-def eval_jaxpr_with(jaxpr: C.Jaxpr, consts: Sequence, args: Sequence, rule: Callable[[C.JaxprEqn, list], list | None]) -> list:
-    """Evaluate ``jaxpr``; ``rule(eqn, invals)`` may return outputs to use instead."""
+def eval_jaxpr_with(
+    jaxpr: C.Jaxpr,
+    consts: Sequence,
+    args: Sequence,
+    rule: Callable[[C.JaxprEqn, list], list | None],
+    *,
+    order: Sequence[int] | None = None,
+    after: Callable[[int, dict], None] | None = None,
+) -> list:
+    """Evaluate ``jaxpr``; ``rule(eqn, invals)`` may return outputs to use instead.
+
+    Args:
+      order: evaluate the equations in this (topological) order of indices.
+      after: ``after(position, env)`` runs after the equation at each position
+        of the order and may replace values in ``env`` (var -> value).
+    """
     env: dict = {}
 
     def read(v):
@@ -72,7 +86,9 @@ def eval_jaxpr_with(jaxpr: C.Jaxpr, consts: Sequence, args: Sequence, rule: Call
         env[v] = x
     for v, x in zip(jaxpr.invars, args):
         env[v] = x
-    for eqn in jaxpr.eqns:
+    eqns = jaxpr.eqns
+    for position, index in enumerate(range(len(eqns)) if order is None else order):
+        eqn = eqns[index]
         invals = [read(v) for v in eqn.invars]
         outs = rule(eqn, invals)
         if outs is None:
@@ -80,6 +96,8 @@ def eval_jaxpr_with(jaxpr: C.Jaxpr, consts: Sequence, args: Sequence, rule: Call
         for v, x in zip(eqn.outvars, outs):
             if not isinstance(v, C.DropVar):
                 env[v] = x
+        if after is not None:
+            after(position, env)
     return [read(v) for v in jaxpr.outvars]
 
 

@@ -283,31 +283,18 @@ def inplace_update(*, barrier: bool = True):
                 upcoming = order[k]
         consts = list(graph.closed_jaxpr.consts)
 
+        def pin(position, env):
+            if position in barriers:
+                vs = barriers[position][0] + barriers[position][1]
+                # named like the backward equation that follows, so the liveness
+                # analysis keeps counting the cotangents it carries as backward values
+                with C.source_context(eqns[next_backward[position]]):
+                    new = jax.lax.optimization_barrier([env[v] for v in vs])
+                for v, x in zip(vs, new):
+                    env[v] = x
+
         def fun(*args):
-            env: dict = {}
-
-            def read(v):
-                return v.val if isinstance(v, C.Literal) else env[v]
-
-            for v, x in zip(jaxpr.constvars, consts):
-                env[v] = x
-            for v, x in zip(jaxpr.invars, args):
-                env[v] = x
-            for k, i in enumerate(order):
-                e = eqns[i]
-                outs = _interp.bind_eqn(e, [read(v) for v in e.invars])
-                for v, x in zip(e.outvars, outs):
-                    if not isinstance(v, C.DropVar):
-                        env[v] = x
-                if k in barriers:
-                    vs = barriers[k][0] + barriers[k][1]
-                    # named like the backward equation that follows, so the liveness
-                    # analysis keeps counting the cotangents it carries as backward values
-                    with C.source_context(eqns[next_backward[k]]):
-                        new = jax.lax.optimization_barrier([env[v] for v in vs])
-                    for v, x in zip(vs, new):
-                        env[v] = x
-            return [read(v) for v in jaxpr.outvars]
+            return _interp.eval_jaxpr_with(jaxpr, consts, args, lambda e, vals: None, order=order, after=pin)
 
         avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in jaxpr.invars]
         closed = jax.make_jaxpr(fun)(*avals)
