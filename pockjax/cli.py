@@ -16,6 +16,8 @@ COMMAND_MODULES = (
     "pockjax.train.cli",     # finetune, generate
     "pockjax.memory.cli",    # memory, plan
     "pockjax.backends.cli",  # export
+    "pockjax.bench.cli",     # bench
+    "pockjax.search.cli",    # search
 )
 
 

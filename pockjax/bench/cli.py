@@ -1,0 +1,80 @@
+"""``pockjax bench``: the side-by-side benchmark from the command line."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    import sys
+
+    from pockjax.bench.common import BenchConfig
+    from pockjax.bench.rows import DEFAULT_ROWS, QUALITY_ROWS, ROWS
+    from pockjax.bench.runner import run
+
+    def names(text, default):
+        if text is None:
+            return list(default)
+        if text.strip() in ("", "none"):
+            return []
+        out = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in out if t not in ROWS]
+        if bad:
+            print(f"pockjax bench: unknown rows {bad}; rows: {', '.join(ROWS)}", file=sys.stderr)
+            raise SystemExit(2)
+        return out
+
+    if args.list:
+        for name, row in ROWS.items():
+            print(f"{name:22s} {row.description}")
+        return 0
+    cfg = BenchConfig(model=args.model, batch=args.batch, seq=args.seq, warmup=args.warmup,
+                      steps=args.steps, lr=args.lr, lora_lr=args.lora_lr, blocks=args.blocks,
+                      threads=args.threads, quality_steps=args.quality_steps,
+                      quality_batch=args.quality_batch, quality_seq=args.quality_seq,
+                      eval_examples=args.eval_examples, seed=args.seed)
+    if min(cfg.batch, cfg.seq, cfg.steps) < 1 or cfg.warmup < 0 or cfg.quality_steps < 0:
+        print("pockjax bench: --batch, --seq and --steps must be >= 1, --warmup and"
+              " --quality-steps >= 0", file=sys.stderr)
+        return 2
+    results = run(cfg, rows=names(args.rows, DEFAULT_ROWS), reps=args.reps,
+                  quality_rows=names(args.quality_rows, QUALITY_ROWS), out=args.out,
+                  timeout=args.timeout, progress=not args.no_progress)
+    from pockjax.bench.runner import markdown_table
+
+    print(markdown_table(results))
+    print(f"written: {args.out}/results.json, results.md, results.png")
+    failed = [n for n, s in results["speed"].items() if s["errors"]] + \
+             [n for n, q in results["quality"].items() if q.get("error")]
+    return 1 if failed else 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench", help="benchmark pockjax against PyTorch (+ PEFT) and plain JAX",
+        description="Speed, peak RSS and fine-tuning quality of pockjax, PyTorch + transformers"
+                    " (full, LoRA, sparse) and plain JAX on the same model, data and machine;"
+                    " every row in its own process, rows interleaved over repetitions.")
+    p.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "tiny"])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--reps", type=int, default=2, help="rounds of the speed phase")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per process")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per process")
+    p.add_argument("--rows", default=None, help="comma-separated speed rows (default: all; 'none': skip)")
+    p.add_argument("--quality-steps", type=int, default=0,
+                   help="fine-tuning steps of the quality phase (0: no quality phase)")
+    p.add_argument("--quality-rows", default=None, help="comma-separated quality rows")
+    p.add_argument("--quality-batch", type=int, default=8)
+    p.add_argument("--quality-seq", type=int, default=None)
+    p.add_argument("--eval-examples", type=int, default=40)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lora-lr", type=float, default=1e-3)
+    p.add_argument("--blocks", type=int, default=None, help="last blocks of the paper scheme")
+    p.add_argument("--threads", type=int, default=None, help="PyTorch threads (default: all cores)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per row process")
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--list", action="store_true", help="list the rows and exit")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd)

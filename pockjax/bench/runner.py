@@ -1,0 +1,382 @@
+"""Runs the benchmark: every row in its own process, interleaved over repetitions.
+
+``run(config, rows, reps, out)``:
+
+1. prepares the data of each phase once (the same token batches for every row,
+   saved as ``.npz``), and the model's source (the GGUF file for
+   ``smollm2-135m``; for ``tiny`` a random model written as a Hugging Face
+   directory, so every framework starts from the same weights);
+2. speed phase: ``reps`` rounds; each round runs every row once, in a fresh
+   process, in a rotated order (round ``r`` starts at row ``r``), so that no row
+   always runs first or last; each process does ``warmup`` untimed and
+   ``steps`` timed steps; a row's step time is the median over all its timed
+   steps, its peak RSS the largest training-phase peak over its processes;
+3. quality phase (``quality_steps > 0``): each quality row fine-tunes for the
+   same number of steps on the same batches, writes its weights, and this
+   process scores held-out exact match on them with one evaluator (pockjax's
+   greedy decoder), so every framework is judged the same way;
+4. writes ``results.json``, ``results.md`` (the table) and ``results.png``
+   (tokens/s and peak RSS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from pockjax.bench.common import BenchConfig, machine, make_data, median, versions
+from pockjax.bench.rows import DEFAULT_ROWS, QUALITY_ROWS, ROWS
+
+__all__ = ["run", "summarize", "markdown_table", "plot_results", "GOALS"]
+
+#: The goals this benchmark checks (row, baseline, what).
+GOALS = (
+    ("pockjax-paper", "torch-lora", "speed", 2.0),
+    ("pockjax-paper", "torch-full", "speed", 3.0),
+    ("pockjax-full", "torch-full", "speed", 1.3),
+    ("pockjax-paper", "torch-lora", "memory", 1.0),
+    ("pockjax-paper", "pockjax-full", "accuracy", 2.0),
+)
+
+
+def TINY_CONFIG():
+    """The ``tiny`` model: :meth:`LlamaConfig.tiny` with the byte tokenizer's vocabulary."""
+    from pockjax.models import llama
+
+    return llama.LlamaConfig.tiny(vocab=259, max_seq_len=256)
+
+
+def _write_npz(path: str, batches: list[dict]) -> None:
+    stacked = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+    np.savez(path, **stacked)
+
+
+def _prepare(cfg: BenchConfig, out: str, phases: Sequence[str]) -> dict:
+    from pockjax.bench.common import load_tokenizer_for
+    from pockjax.models import llama
+
+    src: dict[str, Any] = {}
+    if cfg.model == "tiny":
+        from flax import nnx
+
+        hf_dir = os.path.join(out, "tiny-model")
+        if os.path.isdir(hf_dir):
+            shutil.rmtree(hf_dir)
+        llama.save_hf_checkpoint(llama.Llama(TINY_CONFIG(), rngs=nnx.Rngs(cfg.seed)), hf_dir)
+        src["hf_dir"] = hf_dir
+        config = llama.read_hf_checkpoint(hf_dir)[0]
+    else:
+        src["gguf"] = llama.pretrained_path(cfg.model)
+        from pockjax.models.llama.gguf import gguf_config, open_gguf
+
+        config = gguf_config(open_gguf(src["gguf"]))
+    tokenizer = load_tokenizer_for(cfg.model)
+    data = {}
+    for phase in phases:
+        d = make_data(cfg, phase, tokenizer)
+        path = os.path.join(out, f"data-{phase}.npz")
+        _write_npz(path, d["batches"])
+        data[phase] = {"path": path, "window": d["window"], "seq": d["seq"], "batch": d["batch"],
+                       "held": d["held"]}
+    from pockjax.bench.common import torch_name
+    from pockjax.train.schemes import llama_scheme
+
+    paper = llama_scheme("paper", config, blocks=cfg.blocks)
+    return {"src": src, "data": data, "config": config, "tokenizer": tokenizer,
+            "paper_torch_names": [torch_name(p) for p, _ in paper.rules], "paper_name": paper.name}
+
+
+def _run_job(job: dict, workdir: str, timeout: float | None) -> dict:
+    tag = f"{job['phase']}-{job['row']}-{job.get('rep', 0)}"
+    jpath, rpath = os.path.join(workdir, f"job-{tag}.json"), os.path.join(workdir, f"result-{tag}.json")
+    with open(jpath, "w", encoding="utf-8") as f:
+        json.dump(job, f)
+    if os.path.exists(rpath):
+        os.remove(rpath)
+    env = dict(os.environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pockjax.bench.worker", jpath, rpath], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        tail = (proc.stdout + proc.stderr)[-3000:]
+    except subprocess.TimeoutExpired:
+        return {"row": job["row"], "phase": job["phase"], "error": f"timed out after {timeout:.0f} s"}
+    wall = time.perf_counter() - t
+    if not os.path.exists(rpath):
+        return {"row": job["row"], "phase": job["phase"],
+                "error": f"the worker died (exit {proc.returncode}):\n{tail}"}
+    with open(rpath, encoding="utf-8") as f:
+        result = json.load(f)
+    result["wall_s"] = wall
+    return result
+
+
+def _evaluate(save_dir: str, prep: dict, cfg: BenchConfig) -> dict:
+    from pockjax.data import evaluate_model
+    from pockjax.models import llama
+
+    model = llama.load_hf_checkpoint(save_dir)
+    held = prep["data"]["quality"]["held"]
+    tok = prep["tokenizer"]
+    answers = [len(tok.encode(ex.answer, add_bos=False)) for ex in held]
+    res = evaluate_model(model, tok, held, max_new_tokens=max(answers, default=0) + 8,
+                         batch_size=len(held) if len(held) <= 64 else 32)
+    return {"accuracy": res["accuracy"], "correct": res["correct"], "total": res["total"],
+            "predictions": res["predictions"][:3]}
+
+
+def run(cfg: BenchConfig, *, rows: Sequence[str] = DEFAULT_ROWS, reps: int = 2,
+        quality_rows: Sequence[str] | None = None, out: str = "bench-results",
+        timeout: float | None = 1800.0, progress: bool = True, log=print) -> dict:
+    """Runs the benchmark and writes ``out/results.{json,md,png}``.
+
+    Args:
+      cfg: The :class:`BenchConfig`.
+      rows: Speed-phase rows (names of :data:`pockjax.bench.rows.ROWS`); empty: no speed phase.
+      reps: Rounds of the speed phase.
+      quality_rows: Quality-phase rows (default :data:`QUALITY_ROWS` when
+        ``cfg.quality_steps`` > 0).
+      out: Output directory (created; earlier results there are replaced).
+      timeout: Seconds one row's process may take.
+      progress: Show a progress bar.
+
+    Returns:
+      The results dict (also in ``results.json``).
+
+    Raises:
+      ValueError: an unknown row, or no rows at all.
+    """
+    rows = list(rows)
+    quality_rows = list(QUALITY_ROWS if quality_rows is None else quality_rows) if cfg.quality_steps else []
+    unknown = [r for r in rows + quality_rows if r not in ROWS]
+    if unknown:
+        raise ValueError(f"unknown benchmark rows {unknown}; rows: {', '.join(ROWS)}")
+    if not rows and not quality_rows:
+        raise ValueError("nothing to run: give speed rows, or quality steps and rows")
+    if reps < 1:
+        raise ValueError(f"reps must be at least 1, got {reps}")
+    os.makedirs(out, exist_ok=True)
+    workdir = os.path.join(out, "work")
+    os.makedirs(workdir, exist_ok=True)
+    phases = (["speed"] if rows else []) + (["quality"] if quality_rows else [])
+    t_start = time.time()
+    prep = _prepare(cfg, out, phases)
+    from tqdm.auto import tqdm
+
+    total = reps * len(rows) + len(quality_rows)
+    bar = tqdm(total=total, disable=not progress, unit="run", dynamic_ncols=True, file=sys.stderr)
+    raw: list[dict] = []
+    base = {"config": cfg.to_dict(), **prep["src"], "trainable": prep["paper_torch_names"]}
+    try:
+        for rep in range(reps if rows else 0):
+            order = rows[rep % len(rows):] + rows[:rep % len(rows)]
+            for name in order:
+                bar.set_description(f"speed {rep + 1}/{reps} {name}")
+                d = prep["data"]["speed"]
+                job = {**base, "row": name, "phase": "speed", "rep": rep, "data": d["path"],
+                       "window": d["window"]}
+                res = _run_job(job, workdir, timeout)
+                if "error" in res:
+                    log(f"{name} (round {rep + 1}) failed: {res['error'].strip().splitlines()[-1]}")
+                raw.append(res)
+                bar.update(1)
+        for name in quality_rows:
+            bar.set_description(f"quality {name}")
+            d = prep["data"]["quality"]
+            save = os.path.join(workdir, f"weights-{name}")
+            job = {**base, "row": name, "phase": "quality", "data": d["path"], "window": d["window"],
+                   "save": save}
+            res = _run_job(job, workdir, timeout)
+            if "error" not in res:
+                try:
+                    res["eval"] = _evaluate(save, prep, cfg)
+                except Exception as e:  # noqa: BLE001 - recorded in the results
+                    res["error"] = f"evaluation failed: {type(e).__name__}: {e}"
+            if "error" in res:
+                log(f"{name} (quality) failed: {res['error'].strip().splitlines()[-1]}")
+            raw.append(res)
+            bar.update(1)
+    finally:
+        bar.close()
+    results = summarize(raw, cfg, prep)
+    results["wall_seconds"] = time.time() - t_start
+    _write_results(results, out)
+    return results
+
+
+def summarize(raw: list[dict], cfg: BenchConfig, prep: dict | None = None) -> dict:
+    """Aggregates per-process results into one row each, the speed-ups and the goals."""
+    speed: dict[str, dict] = {}
+    for r in raw:
+        if r.get("phase") != "speed":
+            continue
+        s = speed.setdefault(r["row"], {"step_times": [], "train_peak_rss": 0, "errors": [],
+                                        "processes": 0, "setup_s": [], "compile_s": []})
+        if "error" in r:
+            s["errors"].append(r["error"])
+            continue
+        s["processes"] += 1
+        s["step_times"] += r["step_times"]
+        s["train_peak_rss"] = max(s["train_peak_rss"], r["train_peak_rss"])
+        s["setup_s"].append(r["setup_s"])
+        if r.get("compile_s") is not None:
+            s["compile_s"].append(r["compile_s"])
+        s["trainable_params"] = r.get("trainable_params")
+        s["first_loss"] = r["losses"][0] if r["losses"] else None
+    tokens = cfg.batch * cfg.seq
+    for name, s in speed.items():
+        s["step_s"] = median(s["step_times"])
+        s["tokens_per_s"] = tokens / s["step_s"] if s["step_times"] else float("nan")
+    ref = speed.get("torch-full", {}).get("step_s") if speed.get("torch-full", {}).get("step_times") else None
+    for s in speed.values():
+        s["speedup_vs_torch_full"] = (ref / s["step_s"]) if ref and s["step_times"] else None
+    quality = {}
+    for r in raw:
+        if r.get("phase") != "quality":
+            continue
+        q = {"steps": len(r.get("losses", [])), "error": r.get("error")}
+        if "eval" in r:
+            q.update(accuracy=r["eval"]["accuracy"], correct=r["eval"]["correct"],
+                     total=r["eval"]["total"], predictions=r["eval"]["predictions"])
+        if r.get("losses"):
+            q.update(first_loss=r["losses"][0], final_loss=r["losses"][-1],
+                     train_step_s=median(r["step_times"][1:] or r["step_times"]))
+        quality[r["row"]] = q
+    goals = []
+    for row, base, what, target in GOALS:
+        g = {"row": row, "baseline": base, "what": what, "target": target, "value": None, "met": None}
+        if what == "speed" and row in speed and base in speed and speed[row]["step_times"] \
+                and speed[base]["step_times"]:
+            g["value"] = speed[base]["step_s"] / speed[row]["step_s"]
+            g["met"] = g["value"] >= target
+        elif what == "memory" and row in speed and base in speed and speed[row]["processes"] \
+                and speed[base]["processes"]:
+            g["value"] = speed[row]["train_peak_rss"] / speed[base]["train_peak_rss"]
+            g["met"] = g["value"] <= target
+        elif what == "accuracy" and quality.get(row, {}).get("accuracy") is not None \
+                and quality.get(base, {}).get("accuracy") is not None:
+            g["value"] = 100 * (quality[base]["accuracy"] - quality[row]["accuracy"])
+            g["met"] = g["value"] <= target
+        goals.append(g)
+    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+           "versions": versions(), "config": cfg.to_dict(), "speed": speed, "quality": quality,
+           "goals": goals, "raw": raw}
+    if prep is not None:
+        out["paper_scheme"] = prep["paper_name"]
+        out["answer_window"] = {p: d["window"] for p, d in prep["data"].items()}
+        if "quality" in prep["data"]:
+            q = prep["data"]["quality"]
+            out["quality_shape"] = {"batch": q["batch"], "seq": q["seq"]}
+    return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def markdown_table(results: dict) -> str:
+    """The results as a markdown table (speed, memory, accuracy) with the machine and goals."""
+    cfg = results["config"]
+    m = results["machine"]
+    v = results["versions"]
+    lines = [f"SmolLM2-135M-Instruct fp32 fine-tuning step, batch {cfg['batch']} x {cfg['seq']} tokens"
+             if cfg["model"] == "smollm2-135m" else
+             f"{cfg['model']} fp32 fine-tuning step, batch {cfg['batch']} x {cfg['seq']} tokens",
+             f"({results['date']}; {m['cpu']}, {m['cores']} cores; "
+             + ", ".join(f"{k} {v[k]}" for k in ("jax", "flax", "optax", "torch", "transformers", "peft",
+                                                 "iree-base-compiler") if k in v) + ")", ""]
+    q_steps = cfg.get("quality_steps") or 0
+    qs = results.get("quality_shape") or {}
+    acc_head = (f"exact match after {q_steps} steps" if q_steps else "exact match")
+    lines.append(f"| row | what | step (s) | tokens/s | vs PyTorch full | peak RSS (GiB) | trainable | {acc_head} |")
+    lines.append("|---|---|---:|---:|---:|---:|---:|---:|")
+    names = list(dict.fromkeys(list(results["speed"]) + list(results["quality"])))
+    names.sort(key=lambda n: list(ROWS).index(n) if n in ROWS else 99)
+    for name in names:
+        s = results["speed"].get(name)
+        q = results["quality"].get(name, {})
+        if s and s["step_times"]:
+            step = f"{s['step_s']:.2f}"
+            tps = f"{s['tokens_per_s']:.0f}"
+            sp = f"{s['speedup_vs_torch_full']:.2f}x" if s.get("speedup_vs_torch_full") else ""
+            rss = _gib(s["train_peak_rss"])
+            tr = f"{s['trainable_params'] / 1e6:.2f}M" if s.get("trainable_params") is not None else ""
+        else:
+            step = tps = sp = rss = tr = "failed" if s else ""
+        acc = f"{100 * q['accuracy']:.1f}%" if q.get("accuracy") is not None else ("failed" if q.get("error") else "")
+        desc = ROWS[name].description if name in ROWS else ""
+        lines.append(f"| {name} | {desc} | {step} | {tps} | {sp} | {rss} | {tr} | {acc} |")
+    lines.append("")
+    if q_steps:
+        lines.append(f"Quality: {q_steps} AdamW steps of {qs.get('batch')} x {qs.get('seq')} tokens on"
+                     f" reverse-words, exact match on {cfg['eval_examples']} held-out examples"
+                     f" (same batches and evaluator for every row).")
+    lines.append("Goals:")
+    for g in results["goals"]:
+        if g["value"] is None:
+            state = "not measured"
+        elif g["what"] == "speed":
+            state = f"{g['value']:.2f}x (goal >= {g['target']}x) {'met' if g['met'] else 'NOT met'}"
+        elif g["what"] == "memory":
+            state = f"{g['value']:.2f} of it (goal <= {g['target']}) {'met' if g['met'] else 'NOT met'}"
+        else:
+            state = f"{g['value']:+.1f} points below (goal <= {g['target']}) {'met' if g['met'] else 'NOT met'}"
+        lines.append(f"- {g['row']} vs {g['baseline']}, {g['what']}: {state}")
+    return "\n".join(lines) + "\n"
+
+
+def plot_results(results: dict, path: str) -> str | None:
+    """Bar chart of tokens/s and peak RSS per row (PNG); None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = [n for n, s in results["speed"].items() if s["step_times"]]
+    names.sort(key=lambda n: list(ROWS).index(n) if n in ROWS else 99)
+    if not names:
+        return None
+    colors = {"torch": "#ee6633", "jax": "#8899aa", "pockjax": "#3377cc"}
+    col = [colors.get(ROWS[n].framework, "#999999") if n in ROWS else "#999999" for n in names]
+    tps = [results["speed"][n]["tokens_per_s"] for n in names]
+    rss = [results["speed"][n]["train_peak_rss"] / 2**30 for n in names]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(names) + 1.6))
+    for ax, vals, title in ((axes[0], tps, "tokens / s (higher is better)"),
+                            (axes[1], rss, "peak RSS while training, GiB (lower is better)")):
+        y = np.arange(len(names))
+        ax.barh(y, vals, color=col)
+        ax.set_yticks(y)
+        ax.set_yticklabels(names)
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=10)
+        for yi, val in zip(y, vals):
+            ax.text(val, yi, f" {val:.0f}" if title.startswith("tokens") else f" {val:.2f}",
+                    va="center", fontsize=8)
+        ax.margins(x=0.15)
+    cfg = results["config"]
+    fig.suptitle(f"{cfg['model']} fp32, batch {cfg['batch']} x {cfg['seq']}; {results['machine']['cpu']},"
+                 f" {results['machine']['cores']} cores; {results['date']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _write_results(results: dict, out: str) -> None:
+    tmp = os.path.join(out, "results.json.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=1, default=str)
+    os.replace(tmp, os.path.join(out, "results.json"))
+    with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as f:
+        f.write(markdown_table(results))
+    plot_results(results, os.path.join(out, "results.png"))
