@@ -119,9 +119,9 @@ def torch_row(job: dict) -> dict:
     cfg = BenchConfig.from_dict(job["config"])
     kind = job["kind"]
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
-    # Subnormal floats flushed to zero, as XLA's CPU backend does: without it a
-    # few PyTorch steps of the pretrained model ran 3-5x slower than the others
-    # (subnormal Adam moments), which would flatter the other rows.
+    # Subnormal floats flushed to zero, as XLA's CPU runtime does in its compute
+    # threads: subnormal arithmetic is many times slower on x86, and a slow-down
+    # PyTorch's default would suffer from must not flatter the other rows.
     torch.set_flush_denormal(True)
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
