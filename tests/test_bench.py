@@ -1,0 +1,125 @@
+"""The side-by-side benchmark (``pockjax bench``) in a small configuration, so it cannot rot.
+
+The rows run as in the real benchmark (one process each), on the tiny model: a few
+steps, a few held-out examples. The checks are about the harness being right (same
+weights and batches in every row, same updates where two rows train the same
+tensors, results files complete), not about speed.
+"""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from pockjax.bench import BenchConfig, ROWS
+from pockjax.bench.runner import markdown_table, run, summarize
+
+TINY = dict(model="tiny", batch=2, seq=192, warmup=1, steps=2, quality_steps=3, quality_batch=4,
+            eval_examples=4)
+
+
+def _raw(results, phase, row):
+    return [r for r in results["raw"] if r["phase"] == phase and r["row"] == row]
+
+
+@pytest.fixture(scope="module")
+def tiny_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    res = run(BenchConfig(**TINY), rows=["jax-full", "pockjax-full", "pockjax-paper"], reps=1,
+              quality_rows=["jax-frozen", "pockjax-paper"], out=str(out), timeout=600, progress=False)
+    return res, out
+
+
+def test_rows_ran_and_results_written(tiny_results):
+    res, out = tiny_results
+    for name in ("results.json", "results.md", "results.png"):
+        assert os.path.getsize(out / name) > 0, name
+    with open(out / "results.json") as f:
+        assert json.load(f)["config"]["model"] == "tiny"
+    for name in ("jax-full", "pockjax-full", "pockjax-paper"):
+        s = res["speed"][name]
+        assert not s["errors"], s["errors"]
+        assert len(s["step_times"]) == 2 and all(t > 0 for t in s["step_times"])
+        assert s["train_peak_rss"] > 0 and s["tokens_per_s"] > 0
+    table = (out / "results.md").read_text()
+    for name in ("jax-full", "pockjax-full", "pockjax-paper", "jax-frozen"):
+        assert f"| {name} |" in table
+    assert res["speed"]["pockjax-paper"]["trainable_params"] < res["speed"]["pockjax-full"]["trainable_params"]
+
+
+def test_every_row_starts_from_the_same_weights_and_batch(tiny_results):
+    res, _ = tiny_results
+    first = {n: _raw(res, "speed", n)[0]["losses"][0] for n in ("jax-full", "pockjax-full", "pockjax-paper")}
+    ref = first["jax-full"]
+    assert all(abs(v - ref) < 1e-4 for v in first.values()), first
+
+
+def test_plain_jax_frozen_and_pockjax_paper_train_the_same_update(tiny_results):
+    """Both train the paper scheme's tensors with AdamW on the same batches: the
+    losses of every quality step agree, and so does the held-out score."""
+    res, _ = tiny_results
+    a = _raw(res, "quality", "jax-frozen")[0]
+    b = _raw(res, "quality", "pockjax-paper")[0]
+    assert len(a["losses"]) == len(b["losses"]) == 3
+    assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 1e-4
+    assert a["losses"][-1] < a["losses"][0]
+    qa, qb = res["quality"]["jax-frozen"], res["quality"]["pockjax-paper"]
+    assert qa["total"] == qb["total"] == 4 and 0.0 <= qa["accuracy"] <= 1.0
+    assert qa["predictions"] == qb["predictions"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("peft") is None,
+                    reason="the PyTorch rows need the bench extra (torch, transformers, peft)")
+def test_pytorch_rows_match_pockjax(tmp_path):
+    res = run(BenchConfig(**{**TINY, "steps": 1}), rows=["torch-full", "torch-lora"], reps=1,
+              quality_rows=["torch-sparse", "pockjax-paper"], out=str(tmp_path), timeout=600,
+              progress=False)
+    for name in ("torch-full", "torch-lora"):
+        assert not res["speed"][name]["errors"], res["speed"][name]["errors"]
+    assert res["speed"]["torch-lora"]["trainable_params"] < res["speed"]["torch-full"]["trainable_params"]
+    a = _raw(res, "quality", "torch-sparse")[0]["losses"]
+    b = _raw(res, "quality", "pockjax-paper")[0]["losses"]
+    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (a, b)
+    assert res["quality"]["torch-sparse"]["predictions"] == res["quality"]["pockjax-paper"]["predictions"]
+
+
+def test_goals_and_table_from_results():
+    cfg = BenchConfig(model="tiny", batch=2, seq=8, quality_steps=5)
+
+    def speed(row, t, rss):
+        return {"row": row, "phase": "speed", "step_times": [t, t, t], "losses": [1.0], "setup_s": 1.0,
+                "train_peak_rss": rss, "trainable_params": 10}
+
+    raw = [speed("torch-full", 3.0, 100), speed("torch-lora", 2.0, 50), speed("pockjax-full", 2.5, 90),
+           speed("pockjax-paper", 0.9, 60),
+           {"row": "pockjax-full", "phase": "quality", "losses": [2.0, 1.0], "step_times": [1, 1],
+            "eval": {"accuracy": 0.9, "correct": 9, "total": 10, "predictions": []}},
+           {"row": "pockjax-paper", "phase": "quality", "losses": [2.0, 1.0], "step_times": [1, 1],
+            "eval": {"accuracy": 0.85, "correct": 8, "total": 10, "predictions": []}}]
+    res = summarize(raw, cfg)
+    goals = {(g["row"], g["baseline"], g["what"]): g for g in res["goals"]}
+    assert goals[("pockjax-paper", "torch-full", "speed")]["value"] == pytest.approx(3.0 / 0.9)
+    assert goals[("pockjax-paper", "torch-full", "speed")]["met"] is True
+    assert goals[("pockjax-full", "torch-full", "speed")]["met"] is False  # 1.2x < 1.3x
+    assert goals[("pockjax-paper", "torch-lora", "memory")]["met"] is False  # 60 > 50
+    assert goals[("pockjax-paper", "pockjax-full", "accuracy")]["value"] == pytest.approx(5.0)
+    assert goals[("pockjax-paper", "pockjax-full", "accuracy")]["met"] is False
+    assert res["speed"]["pockjax-paper"]["speedup_vs_torch_full"] == pytest.approx(3.0 / 0.9)
+    table = markdown_table({**res, "machine": {"cpu": "x", "cores": 2}, "versions": {}})
+    assert "3.33x" in table and "NOT met" in table and "85.0%" in table
+
+
+def test_bad_rows_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown benchmark rows"):
+        run(BenchConfig(**TINY), rows=["torch-fulll"], out=str(tmp_path))
+    with pytest.raises(ValueError, match="nothing to run"):
+        run(BenchConfig(**{**TINY, "quality_steps": 0}), rows=[], out=str(tmp_path))
+    from pockjax.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--rows", "nope", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert set(ROWS) >= {"torch-full", "torch-lora", "torch-sparse", "jax-full", "jax-frozen",
+                         "pockjax-full", "pockjax-paper", "pockjax-norm-only", "pockjax-channels",
+                         "pockjax-paper-iree"}
