@@ -182,8 +182,26 @@ def torch_row(job: dict) -> dict:
     if job.get("save"):
         if kind == "lora":
             model = model.merge_and_unload()
-        model.save_pretrained(job["save"], safe_serialization=True)
+        _save_torch(model, job["save"])
     return _finish(job, times, losses, setup_s, train_peak, marks.get("rss", proc_rss()), extra)
+
+
+def _save_torch(model, path: str) -> None:
+    """Writes ``config.json`` + ``model.safetensors`` (``save_pretrained`` refuses
+    models loaded from GGUF; the tensors are plain fp32 after loading)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    config = model.config.to_dict()
+    if config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)  # shares the embedding's storage
+    config.pop("quantization_config", None)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=1, default=str)
 
 
 def _counts(job: dict, cfg: BenchConfig, n_batches: int) -> tuple[int, int]:
