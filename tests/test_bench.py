@@ -123,3 +123,18 @@ def test_bad_rows_are_refused(tmp_path):
     assert set(ROWS) >= {"torch-full", "torch-lora", "torch-sparse", "jax-full", "jax-frozen",
                          "pockjax-full", "pockjax-paper", "pockjax-norm-only", "pockjax-channels",
                          "pockjax-paper-iree"}
+
+
+def test_merge_combines_runs_and_refuses_different_settings(tiny_results, tmp_path):
+    from pockjax.bench.runner import merge
+
+    res, out = tiny_results
+    merged = merge([str(out / "results.json")], str(tmp_path / "m"))
+    assert merged["speed"]["pockjax-paper"]["step_s"] == pytest.approx(res["speed"]["pockjax-paper"]["step_s"])
+    assert merged["quality"]["pockjax-paper"]["accuracy"] == res["quality"]["pockjax-paper"]["accuracy"]
+    assert (tmp_path / "m" / "results.md").read_text().count("| pockjax-paper |") == 1
+    other = json.loads((out / "results.json").read_text())
+    other["config"]["seed"] = 1
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="different seed"):
+        merge([str(out / "results.json"), str(tmp_path / "other.json")], str(tmp_path / "m2"))

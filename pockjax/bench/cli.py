@@ -24,6 +24,16 @@ def _cmd(args: argparse.Namespace) -> int:
             raise SystemExit(2)
         return out
 
+    if args.merge:
+        from pockjax.bench.runner import markdown_table, merge
+
+        try:
+            results = merge(args.merge, args.out)
+        except (ValueError, OSError, KeyError) as e:
+            print(f"pockjax bench --merge: {e}", file=sys.stderr)
+            return 2
+        print(markdown_table(results))
+        return 0
     if args.list:
         for name, row in ROWS.items():
             print(f"{name:22s} {row.description}")
@@ -76,5 +86,7 @@ def register(subparsers) -> None:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per row process")
     p.add_argument("--out", default="bench-results")
     p.add_argument("--list", action="store_true", help="list the rows and exit")
+    p.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
+                   help="combine earlier runs' results.json (a speed run and a quality run) into --out")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd)

@@ -34,7 +34,7 @@ import numpy as np
 from pockjax.bench.common import BenchConfig, machine, make_data, median, versions
 from pockjax.bench.rows import DEFAULT_ROWS, QUALITY_ROWS, ROWS
 
-__all__ = ["run", "summarize", "markdown_table", "plot_results", "GOALS"]
+__all__ = ["run", "summarize", "merge", "markdown_table", "plot_results", "GOALS"]
 
 #: The goals this benchmark checks (row, baseline, what).
 GOALS = (
@@ -276,6 +276,53 @@ def summarize(raw: list[dict], cfg: BenchConfig, prep: dict | None = None) -> di
             q = prep["data"]["quality"]
             out["quality_shape"] = {"batch": q["batch"], "seq": q["seq"]}
     return out
+
+
+def merge(paths: Sequence[str], out: str) -> dict:
+    """Combines the speed phase of one run with the quality phase of another
+    (``results.json`` files of the same model, seed and data settings) into
+    ``out/results.{json,md,png}``: the two phases need not share a sitting.
+
+    Raises:
+      ValueError: the runs differ in model, seed, or the setting of a phase both ran.
+    """
+    runs = []
+    for p in paths:
+        with open(p, encoding="utf-8") as f:
+            runs.append(json.load(f))
+    if not runs:
+        raise ValueError("nothing to merge")
+    first = runs[0]["config"]
+    for r in runs[1:]:
+        c = r["config"]
+        for key in ("model", "seed", "lr", "lora_lr", "lora_rank", "blocks"):
+            if c.get(key) != first.get(key):
+                raise ValueError(f"cannot merge runs with different {key}: {first.get(key)!r} vs {c.get(key)!r}")
+    speed_runs = [r for r in runs if r["speed"]]
+    quality_runs = [r for r in runs if r["quality"]]
+    if len(speed_runs) > 1 or len(quality_runs) > 1:
+        raise ValueError("give at most one run with a speed phase and one with a quality phase")
+    base = speed_runs[0] if speed_runs else runs[0]
+    cfg = BenchConfig.from_dict(base["config"])
+    if quality_runs:
+        q = quality_runs[0]["config"]
+        cfg.quality_steps, cfg.quality_batch, cfg.quality_seq, cfg.eval_examples = (
+            q["quality_steps"], q["quality_batch"], q["quality_seq"], q["eval_examples"])
+    raw = [x for r in runs for x in r["raw"]
+           if (x.get("phase") == "speed" and r in speed_runs) or (x.get("phase") == "quality" and r in quality_runs)]
+    results = summarize(raw, cfg)
+    results["date"] = base["date"]
+    results["merged_from"] = [{"path": p, "date": r["date"]} for p, r in zip(paths, runs)]
+    for key in ("paper_scheme", "answer_window", "quality_shape"):
+        for r in runs:
+            if key in r:
+                if isinstance(r[key], dict) and isinstance(results.get(key), dict):
+                    results[key].update(r[key])
+                else:
+                    results.setdefault(key, r[key])
+    os.makedirs(out, exist_ok=True)
+    _write_results(results, out)
+    return results
 
 
 def _gib(n: float) -> str:
