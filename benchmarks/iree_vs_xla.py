@@ -2,11 +2,16 @@
 
 Compiles the same LLaMA fine-tuning step, full and with the ``paper`` sparse
 scheme, with ``pockjax.compile`` (XLA) and ``pockjax.compile(target=...)``
-(IREE), runs both on this machine in the same process, and prints the median
-step time of each, their ratio and the IREE module's size.
+(IREE), runs both on this machine in the same process, alternating one XLA
+step and one IREE step so that both see the same machine load, and prints
+the median step time of each, their ratio and the IREE module's size. Layers
+are unrolled (``scan_layers=False``) unless ``--scan-layers`` is given.
 
-    python benchmarks/iree_vs_xla.py --model smollm2-135m --batch-size 2 --seq-len 64
+    python benchmarks/iree_vs_xla.py --model smollm2-135m --json out/ivx.json --markdown out/ivx.md
     python benchmarks/iree_vs_xla.py --model tiny --steps 3      # seconds, used by the tests
+
+Run it under ``nice`` on a shared machine; the ratio is only meaningful
+within one run.
 """
 
 from __future__ import annotations
@@ -20,41 +25,74 @@ import tempfile
 import time
 
 
-def build(model_name: str):
+def build(model_name: str, scan_layers: bool):
     from flax import nnx
 
     from pockjax.models import llama
 
     if model_name == "tiny":
-        return llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
-    model, _ = llama.load_pretrained(model_name)
+        return llama.Llama(llama.LlamaConfig.tiny(scan_layers=scan_layers), rngs=nnx.Rngs(0))
+    model, _ = llama.load_pretrained(model_name, scan_layers=scan_layers)
     return model
 
 
-def time_steps(step, params, opt_state, batch, steps: int) -> list[float]:
+def interleaved_times(runs: dict, batch, steps: int) -> dict[str, list[float]]:
+    """Runs one step of each backend in turn, ``steps`` rounds after a warm-up round.
+
+    ``runs`` maps a name to ``[step, params, opt_state]``; params and
+    optimizer state are replaced by each step's outputs (kept on the device).
+    """
     import numpy as np
 
-    params, opt_state, loss = step(params, opt_state, *batch)  # warm-up
-    np.asarray(loss)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        params, opt_state, loss = step(params, opt_state, *batch)
-        np.asarray(loss)  # wait for the result
-        times.append(time.perf_counter() - t0)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for r in range(steps + 1):
+        for name, run in runs.items():
+            step, params, opt_state = run
+            t0 = time.perf_counter()
+            params, opt_state, loss = step(params, opt_state, *batch)
+            np.asarray(loss)  # wait for the result
+            dt = time.perf_counter() - t0
+            run[1], run[2] = params, opt_state
+            if r:
+                times[name].append(dt)
     return times
+
+
+def write_atomic(path: str, text: str) -> None:
+    with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(path)), delete=False) as f:
+        f.write(text)
+    os.replace(f.name, path)
+
+
+def markdown(rows: list[dict], target: str) -> str:
+    lines = [
+        f"| model | scheme | batch x seq | XLA step (s) | IREE {target} step (s) | IREE / XLA | module (MiB) "
+        "| IREE compile (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['scheme']} | {r['batch']} x {r['seq']} | {r['xla_step_s']:.3f} "
+            f"| {r[f'{target}_step_s']:.3f} | {r['ratio']:.2f}x | {r['module_bytes'] / 2**20:.2f} "
+            f"| {r[f'{target}_compile_s']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--model", default="tiny", help="tiny, or a pretrained name such as smollm2-135m")
     parser.add_argument("--target", default="cpu")
-    parser.add_argument("--schemes", default="full,paper")
+    parser.add_argument("--target-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="IREE target option, e.g. data_tiling=false (repeatable)")
+    parser.add_argument("--schemes", default="paper,full")
     parser.add_argument("--blocks", type=int, default=None)
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128, help="clipped to the model's max_seq_len")
+    parser.add_argument("--scan-layers", action="store_true", help="stack the layers and scan over them")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--markdown", default=None, help="write a markdown table here")
     args = parser.parse_args(argv)
 
     import jax
@@ -66,29 +104,47 @@ def main(argv=None) -> int:
     from pockjax.train.schemes import DEFAULT_BLOCKS, llama_scheme
     from pockjax.train.steps import lm_train_step
 
-    model = build(args.model)
+    options = {}
+    for kv in args.target_option:
+        k, _, v = kv.partition("=")
+        options[k] = {"true": True, "false": False}.get(v.lower(), v)
+    model = build(args.model, args.scan_layers)
     graphdef, params = llama.split(model)
     tx = optax.adamw(1e-4)
-    shape = (args.batch_size, args.seq_len)
+    seq = min(args.seq_len, model.config.max_seq_len)
+    shape = (args.batch_size, seq)
     tokens = jax.random.randint(jax.random.key(0), shape, 0, model.config.vocab)
     batch = (tokens, tokens, jnp.ones(shape, jnp.float32))
     blocks = args.blocks or min(DEFAULT_BLOCKS, model.config.n_layers)
     rows = []
     for name in args.schemes.split(","):
         scheme = llama_scheme(name, model.config, blocks=blocks)
-        result = {"scheme": name, "model": args.model, "batch": args.batch_size, "seq": args.seq_len}
+        result = {"scheme": name, "model": args.model, "batch": args.batch_size, "seq": seq,
+                  "scan_layers": args.scan_layers, "target": args.target}
+        runs = {}
         for backend in ("xla", args.target):
             step = pockjax.compile(
-                lm_train_step(graphdef, tx), scheme=scheme, target=None if backend == "xla" else backend
+                lm_train_step(graphdef, tx), scheme=scheme, target=None if backend == "xla" else backend,
+                target_options=None if backend == "xla" else options,
             )
             p = jax.tree.map(jnp.copy, params)
             s = pockjax.init_opt_state(tx, p, scheme)
             t0 = time.perf_counter()
             compiled = step.lower(p, s, *batch)
             result[f"{backend}_compile_s"] = time.perf_counter() - t0
-            result[f"{backend}_step_s"] = statistics.median(time_steps(step, p, s, batch, args.steps))
             if backend != "xla":
-                result["module_bytes"] = compiled.executable.exe.compiled.size_bytes
+                module = compiled.executable.exe.compiled
+                result["module_bytes"] = module.size_bytes
+                # The step's state is passed as arguments and kept in device buffers, so no
+                # parameter archive is part of the module; exporting writes one of this size.
+                result["weights_bytes"] = sum(int(x.nbytes) for x in jax.tree.leaves((p, s)))
+                result["iree_flags"] = module.metadata.target["flags"]
+                result["workarounds"] = list(module.workarounds)
+            runs[backend] = [step, p, s]
+        times = interleaved_times(runs, batch, args.steps)
+        for backend, ts in times.items():
+            result[f"{backend}_step_s"] = statistics.median(ts)
+            result[f"{backend}_step_min_s"] = min(ts)
         result["ratio"] = result[f"{args.target}_step_s"] / result["xla_step_s"]
         rows.append(result)
         print(
@@ -97,10 +153,11 @@ def main(argv=None) -> int:
             f"ratio {result['ratio']:.2f}x  module {result['module_bytes'] / 1024:.0f} KiB",
             flush=True,
         )
+        del runs, times
     if args.json:
-        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(args.json)), delete=False) as f:
-            json.dump(rows, f, indent=2)
-        os.replace(f.name, args.json)
+        write_atomic(args.json, json.dumps(rows, indent=2))
+    if args.markdown:
+        write_atomic(args.markdown, markdown(rows, args.target))
     return 0
 
 

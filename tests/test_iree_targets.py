@@ -285,3 +285,99 @@ def test_llvmcpu_stack_limit_with_aggressive_fusion_needs_workaround():
     ref_losses, ref_state = fs.reference(3)
     S.assert_matches(fs, losses, state, ref_losses, ref_state)
     assert "llvmcpu-no-aggressive-fusion" in piree.default_workarounds(targets.resolve("arm64"))
+
+
+# ---------------------------------------------------------------------------
+# cpu data tiling (mmt4d microkernels) and the workaround it needs
+# ---------------------------------------------------------------------------
+
+
+def test_cpu_data_tiling_option_and_auto_threshold():
+    import jax
+    import jax.numpy as jnp
+
+    assert targets.resolve("cpu").options["data_tiling"] == "auto"
+    on = targets.resolve("cpu", data_tiling=True).flags
+    assert all(f in on for f in targets.DATA_TILING_FLAGS)
+    off = targets.resolve("cpu", data_tiling=False).flags
+    assert not any(f in off for f in targets.DATA_TILING_FLAGS)
+    assert not any(f in targets.resolve("arm64").flags for f in targets.DATA_TILING_FLAGS)
+    with pytest.raises(ValueError, match="apply to llvm-cpu targets"):
+        targets.resolve("vulkan", data_tiling=True)
+
+    def mm(a, b):
+        return (a @ b,)
+
+    # "auto" turns data tiling on for a step whose largest matmul reaches the threshold.
+    n = int(np.ceil(targets.DATA_TILING_MIN_MACS ** (1 / 3)))
+    big = [jax.ShapeDtypeStruct((n, n), jnp.float32)] * 2
+    small = [jax.ShapeDtypeStruct((16, 16), jnp.float32)] * 2
+    assert piree.largest_matmul_macs(mm, big) == n**3 >= targets.DATA_TILING_MIN_MACS
+    c_big = piree.compile_flat(mm, big, "cpu", bind=False)
+    c_small = piree.compile_flat(mm, small, "cpu", bind=False)
+    assert "--iree-opt-data-tiling=true" in c_big.metadata.target["flags"]
+    assert "dot-operands-behind-barrier" in c_big.workarounds
+    assert "--iree-opt-data-tiling=true" not in c_small.metadata.target["flags"]
+    assert "dot-operands-behind-barrier" not in c_small.workarounds
+    a = np.random.default_rng(0).normal(size=(n, n)).astype(np.float32)
+    exe = piree.IreeExecutable(c_big)
+    (got,) = exe(a, a.T.copy())
+    np.testing.assert_allclose(got, a @ a.T, rtol=1e-4, atol=1e-3)
+
+
+def test_cpu_data_tiling_full_step_needs_dot_barrier_workaround(monkeypatch):
+    """Data tiling fuses a transposed gradient's packing into its producer: llvm-cpu refuses it."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import pockjax
+    from pockjax.models import llama
+    from pockjax.train.schemes import llama_scheme
+    from pockjax.train.steps import lm_train_step
+
+    cfg = llama.LlamaConfig.tiny()
+    graphdef, params = llama.split(llama.Llama(cfg, rngs=nnx.Rngs(0)))
+    tx = optax.adamw(1e-3)
+    scheme = llama_scheme("full", cfg)
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab)
+    batch = (tokens, tokens, jnp.ones((2, 16), jnp.float32))
+
+    def compiled(target):
+        step = pockjax.compile(lm_train_step(graphdef, tx), scheme=scheme, target=target,
+                               target_options=None if target is None else {"data_tiling": True})
+        p = jax.tree.map(jnp.copy, params)
+        return [step, p, pockjax.init_opt_state(tx, p, scheme)]
+
+    with monkeypatch.context() as m:
+        m.delitem(piree.WORKAROUNDS, "dot-operands-behind-barrier")
+        step, p, s = compiled("cpu")
+        with pytest.raises(piree.IreeCompileError, match="large vector sizes"):
+            step.lower(p, s, *batch)
+    runs = [compiled("cpu"), compiled(None)]
+    for _ in range(3):
+        losses = []
+        for r in runs:
+            r[1], r[2], loss = r[0](r[1], r[2], *batch)
+            losses.append(float(np.asarray(loss)))
+        np.testing.assert_allclose(losses[0], losses[1], rtol=1e-4)
+    for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_dot_operands_behind_barrier_is_exact():
+    import jax
+    import jax.numpy as jnp
+    from pockjax.backends import iree_rewrites
+
+    def f(x, w):
+        return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) @ w.T))(w)
+
+    rng = np.random.default_rng(2)
+    args = [rng.normal(size=(4, 6)).astype(np.float32), rng.normal(size=(6, 6)).astype(np.float32)]
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    g = iree_rewrites.dot_operands_behind_barrier(f, avals)
+    np.testing.assert_array_equal(np.asarray(g(*args)), np.asarray(f(*args)))
+    text = str(jax.make_jaxpr(g)(*args))
+    assert text.count("optimization_barrier") == text.count("dot_general") > 0

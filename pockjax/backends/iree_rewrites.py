@@ -174,3 +174,19 @@ def _scatter_add_rule(operand, indices, updates, *, dimension_numbers, mode, **_
 def scatter_add_to_select(fun: Callable, flat_avals: Sequence[Any]) -> Callable:
     """``fun`` with every one-update-per-element ``scatter-add`` turned into compare+select."""
     return rewrite_jaxpr_fun(fun, flat_avals, {"scatter-add": _scatter_add_rule})
+
+
+
+def _dot_barrier_rule(lhs, rhs, **params):
+    lhs, rhs = lax.optimization_barrier((lhs, rhs))
+    return lax.dot_general_p.bind(lhs, rhs, **params)
+
+
+def dot_operands_behind_barrier(fun: Callable, flat_avals: Sequence[Any]) -> Callable:
+    """``fun`` with each ``dot_general``'s operands passed through ``lax.optimization_barrier``.
+
+    The values are unchanged; the barrier only stops IREE from fusing a
+    matmul operand's packing (data tiling's ``set_encoding``) into the
+    dispatch that produces the operand.
+    """
+    return rewrite_jaxpr_fun(fun, flat_avals, {"dot_general": _dot_barrier_rule})
