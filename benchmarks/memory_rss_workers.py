@@ -5,43 +5,10 @@ from __future__ import annotations
 
 import time
 
-
-def _hwm() -> int:
-    """This process's peak RSS so far (VmHWM), bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _trim() -> None:
-    """Return freed heap pages to the OS (glibc ``malloc_trim``), done in every process
-    after loading so that loaders' freed temporaries do not stay in RSS."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _reset_hwm() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0), to measure the training phase alone."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+from pockjax.bench.common import proc_peak_rss as _hwm
+from pockjax.bench.common import proc_rss as _rss
+from pockjax.bench.common import reset_peak_rss as _reset_hwm
+from pockjax.bench.common import trim_heap as _trim
 
 
 def jax_baseline() -> int:
