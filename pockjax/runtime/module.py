@@ -331,12 +331,7 @@ class DeviceSession:
         self._rt = rt
         self.driver = driver
         try:
-            if driver in ("local-task", "local-sync"):
-                # The caching allocator keeps a step's scratch buffers between calls
-                # instead of freeing and faulting them in again every step.
-                self.device = rt.get_driver(driver).create_default_device(allocators=["caching"])
-            else:
-                self.device = rt.get_device(driver)
+            self.device = rt.get_device(driver)
         except Exception as e:  # noqa: BLE001 - re-raised with context
             raise ModuleError(
                 f"cannot open IREE device {driver!r}: {e}. Available drivers: "
