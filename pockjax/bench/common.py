@@ -90,9 +90,9 @@ def make_data(cfg: BenchConfig, phase: str, tokenizer: Any = None) -> dict:
       :func:`pockjax.models.llama.answer_loss`.
 
     Example:
-      >>> d = make_data(BenchConfig(model="tiny", batch=2, seq=96, steps=2, warmup=0), "speed")
+      >>> d = make_data(BenchConfig(model="tiny", batch=2, seq=192, steps=2, warmup=0), "speed")
       >>> len(d["batches"]), d["batches"][0]["tokens"].shape
-      (2, (2, 96))
+      (2, (2, 192))
     """
     from pockjax.data import Batcher, train_eval_split
 
