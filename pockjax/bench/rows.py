@@ -331,12 +331,12 @@ def _jax_loop(job, cfg, run, t0, trainable_n, final_params, graphdef, compile_s=
 
 def pockjax_row(job: dict) -> dict:
     """Trains with ``pockjax.compile`` (a scheme, optionally an IREE target)."""
-    import jax
     import jax.numpy as jnp
     import optax
 
     import pockjax
     from pockjax.models import llama
+    from pockjax.train.steps import answer_train_step, lm_train_step
 
     cfg = BenchConfig.from_dict(job["config"])
     row = ROWS[job["row"]]
@@ -349,17 +349,12 @@ def pockjax_row(job: dict) -> dict:
     window = int(job["window"])
 
     if row.options.get("seqloss"):
-        def loss_fn(p, b):
-            logits = llama.apply(graphdef, p, b["tokens"])
-            return llama.next_token_loss(logits, b["targets"], b["loss_mask"])
-    else:
-        def loss_fn(p, b):
-            return llama.answer_loss(llama.merge(graphdef, p), b, window)
+        seq_step = lm_train_step(graphdef, tx)
 
-    def train_step(p, opt_state, b):
-        loss, g = jax.value_and_grad(loss_fn)(p, b)
-        updates, opt_state = tx.update(g, opt_state, p)
-        return optax.apply_updates(p, updates), opt_state, loss
+        def train_step(p, opt_state, b):
+            return seq_step(p, opt_state, b["tokens"], b["targets"], b["loss_mask"])
+    else:
+        train_step = answer_train_step(graphdef, tx, window)
 
     f = pockjax.compile(train_step, scheme=scheme, target=row.options.get("target"))
     opt_state = pockjax.init_opt_state(tx, params, scheme)

@@ -44,6 +44,7 @@ import pockjax
 from pockjax.data import Batcher, DataError, evaluate_model, load_alpaca_jsonl, train_eval_split
 from pockjax.models import llama
 from pockjax.train.schemes import llama_scheme, load_scheme_file, save_scheme_file
+from pockjax.train.steps import answer_train_step
 
 __all__ = ["FinetuneConfig", "FinetuneError", "FinetuneResult", "finetune", "make_optimizer",
            "write_output", "OUTPUT_FILES"]
@@ -406,15 +407,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     # -- 3. the train step ---------------------------------------------------------------
     window = batcher.answer_window
 
-    def loss_fn(params, batch):
-        return llama.answer_loss(llama.merge(graphdef, params), batch, window)
-
-    def train_step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    step_fn = pockjax.compile(train_step, scheme=scheme)
+    step_fn = pockjax.compile(answer_train_step(graphdef, tx, window), scheme=scheme)
 
     def batch_at(i):
         return {k: jnp.asarray(v) for k, v in batcher.batch(i).items()}

@@ -40,3 +40,41 @@ def lm_train_step(graphdef: Any, tx: Any) -> Callable:
         return optax.apply_updates(params, updates), opt_state, loss
 
     return train_step
+
+
+def answer_train_step(graphdef: Any, tx: Any, window: int) -> Callable:
+    """``step(params, opt_state, batch) -> (params, opt_state, loss)`` on answer windows.
+
+    ``batch`` is a dict from :class:`pockjax.data.Batcher` (``tokens``,
+    ``targets``, ``loss_mask``, ``loss_start``); the loss is
+    :func:`pockjax.models.llama.answer_loss`, which runs the output projection
+    only on ``window`` positions per row (``Batcher.answer_window``). This is
+    the step ``pockjax finetune`` and the benchmarks train with.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> from pockjax.models import llama
+        >>> graphdef, params = llama.split(llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0)))
+        >>> tx = optax.sgd(0.1)
+        >>> step = answer_train_step(graphdef, tx, window=2)
+        >>> batch = {"tokens": jnp.array([[5, 6, 7, 8]]), "targets": jnp.array([[6, 7, 8, 0]]),
+        ...          "loss_mask": jnp.array([[0., 1., 1., 0.]]), "loss_start": jnp.array([1])}
+        >>> params, _, loss = step(params, tx.init(params), batch)
+        >>> loss.shape
+        ()
+    """
+    import jax
+    import optax
+
+    from pockjax.models import llama
+
+    def loss_fn(params, batch):
+        return llama.answer_loss(llama.merge(graphdef, params), batch, window)
+
+    def train_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return train_step
