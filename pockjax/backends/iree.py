@@ -195,8 +195,14 @@ _register(
             "that pack of a transposed result as one 64x64 vector and refuses it ('One or more "
             "operations with large vector sizes (16384 bytes)'). Turning that check off only "
             "trades it for 'exceeded stack allocation limit' and a 9-minute compile. Passing "
-            "every dot_general operand through lax.optimization_barrier keeps packing in its "
-            "own dispatch, which vectorises; the values are unchanged."
+            "every computed dot_general operand through lax.optimization_barrier keeps packing in "
+            "its own dispatch, which vectorises; the values are unchanged. Step inputs are left "
+            "unfenced, so the packing of a frozen weight in an immutable global can be hoisted to "
+            "load time. A second failure of the same family: a weight gradient over few tokens "
+            "(batch 1 x 64, or the LM head's gradient over the answer window, 64 positions) with "
+            "the optimizer update fused into its dispatch needs 145-290 KiB of stack ('exceeded "
+            "stack allocation limit'); the result of a batch-free matmul with a contraction "
+            "shorter than 256 is fenced as well."
         ),
     )
 )

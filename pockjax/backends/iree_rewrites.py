@@ -177,16 +177,83 @@ def scatter_add_to_select(fun: Callable, flat_avals: Sequence[Any]) -> Callable:
 
 
 
-def _dot_barrier_rule(lhs, rhs, **params):
-    lhs, rhs = lax.optimization_barrier((lhs, rhs))
-    return lax.dot_general_p.bind(lhs, rhs, **params)
+# Primitives that only move data: an operand computed from a step input through
+# these alone is packed straight from the input, and needs no barrier.
+_LAYOUT_PRIMITIVES = ("transpose", "reshape", "convert_element_type", "squeeze", "expand_dims")
+
+
+# A batch-free matmul whose contraction is shorter than this gets a barrier on its
+# result too (see dot_operands_behind_barrier).
+SHORT_CONTRACTION = 256
+
+
+def _short_plain_matmul(lhs_shape, dimension_numbers) -> bool:
+    (lhs_contract, _), (lhs_batch, _) = dimension_numbers
+    k = 1
+    for d in lhs_contract:
+        k *= int(lhs_shape[d])
+    return not lhs_batch and k < SHORT_CONTRACTION
 
 
 def dot_operands_behind_barrier(fun: Callable, flat_avals: Sequence[Any]) -> Callable:
-    """``fun`` with each ``dot_general``'s operands passed through ``lax.optimization_barrier``.
+    """``fun`` with each computed ``dot_general`` operand passed through ``lax.optimization_barrier``.
 
     The values are unchanged; the barrier only stops IREE from fusing a
     matmul operand's packing (data tiling's ``set_encoding``) into the
-    dispatch that produces the operand.
+    dispatch that produces the operand. The result of a batch-free matmul
+    with a contraction shorter than :data:`SHORT_CONTRACTION` (a weight
+    gradient over few tokens: batch 1, or the answer window's LM-head
+    gradient) is fenced as well, which keeps its consumer (the optimizer
+    update) out of the matmul's dispatch. Operands that are step inputs (or a
+    transpose/reshape of one) are left alone: their packing has no producer
+    to fuse with, and without a barrier IREE can hoist the packing of a
+    weight held in an immutable global (a frozen weight in a
+    parameter-backed module) to load time.
     """
-    return rewrite_jaxpr_fun(fun, flat_avals, {"dot_general": _dot_barrier_rule})
+    keep: list[Any] = []
+    from_inputs: set[int] = set()
+
+    def mark(v):
+        keep.append(v)  # keeps the object alive so its id is not reused during the trace
+        from_inputs.add(id(v))
+
+    def layout_rule(prim):
+        def rule(x, **params):
+            out = prim.bind(x, **params)
+            if id(x) in from_inputs:
+                mark(out)
+            return out
+
+        return rule
+
+    def dot_rule(lhs, rhs, **params):
+        computed = [k for k, v in enumerate((lhs, rhs)) if id(v) not in from_inputs]
+        ops = [lhs, rhs]
+        if computed:
+            fenced = lax.optimization_barrier(tuple(ops[k] for k in computed))
+            for k, v in zip(computed, fenced):
+                ops[k] = v
+        out = lax.dot_general_p.bind(*ops, **params)
+        if _short_plain_matmul(lhs.shape, params["dimension_numbers"]):
+            out = lax.optimization_barrier(out)
+        return out
+
+    rules = {"dot_general": dot_rule}
+    for name in _LAYOUT_PRIMITIVES:
+        prim = getattr(lax, f"{name}_p", None)
+        if prim is not None:
+            rules[name] = layout_rule(prim)
+    inner = rewrite_jaxpr_fun(fun, flat_avals, rules)
+
+    def rewritten(*args):
+        keep.clear()
+        from_inputs.clear()
+        for a in args:
+            mark(a)
+        try:
+            return inner(*args)
+        finally:
+            keep.clear()
+            from_inputs.clear()
+
+    return rewritten
