@@ -7,6 +7,12 @@ step and one IREE step so that both see the same machine load, and prints
 the median step time of each, their ratio and the IREE module's size. Layers
 are unrolled (``scan_layers=False``) unless ``--scan-layers`` is given.
 
+The step is the one ``pockjax finetune`` and ``pockjax bench`` train with
+(``--loss answer``: reverse-words batches, logits on the answer window only);
+``--loss sequence`` runs the output projection on every position instead
+(random tokens). With several schemes each runs in its own process, so one
+scheme's device memory never adds to the next's.
+
     python benchmarks/iree_vs_xla.py --model smollm2-135m --json out/ivx.json --markdown out/ivx.md
     python benchmarks/iree_vs_xla.py --model tiny --steps 3      # seconds, used by the tests
 
@@ -31,7 +37,9 @@ def build(model_name: str, scan_layers: bool):
     from pockjax.models import llama
 
     if model_name == "tiny":
-        return llama.Llama(llama.LlamaConfig.tiny(scan_layers=scan_layers), rngs=nnx.Rngs(0))
+        # The byte tokenizer's vocabulary and room for its reverse-words rows (as pockjax bench's tiny model).
+        config = llama.LlamaConfig.tiny(vocab=259, max_seq_len=256, scan_layers=scan_layers)
+        return llama.Llama(config, rngs=nnx.Rngs(0))
     model, _ = llama.load_pretrained(model_name, scan_layers=scan_layers)
     return model
 
@@ -66,17 +74,51 @@ def write_atomic(path: str, text: str) -> None:
 
 def markdown(rows: list[dict], target: str) -> str:
     lines = [
-        f"| model | scheme | batch x seq | XLA step (s) | IREE {target} step (s) | IREE / XLA | module (MiB) "
+        f"| model | scheme | batch x seq | loss positions | XLA step (s) | IREE {target} step (s) | IREE / XLA | module (MiB) "
         "| IREE compile (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['scheme']} | {r['batch']} x {r['seq']} | {r['xla_step_s']:.3f} "
+            f"| {r['model']} | {r['scheme']} | {r['batch']} x {r['seq']} "
+            f"| {r.get('logit_positions', r['seq'])} ({r.get('loss', 'sequence')}) | {r['xla_step_s']:.3f} "
             f"| {r[f'{target}_step_s']:.3f} | {r['ratio']:.2f}x | {r['module_bytes'] / 2**20:.2f} "
             f"| {r[f'{target}_compile_s']:.0f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _one_process_per_scheme(args, schemes: list[str], argv: list[str]) -> int:
+    """Runs ``main`` once per scheme in a fresh process and writes the combined results."""
+    import subprocess
+
+    strip = {"--schemes", "--json", "--markdown"}
+    base, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in strip:
+            skip = True
+            continue
+        if a.split("=", 1)[0] in strip:
+            continue
+        base.append(a)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in schemes:
+            out = os.path.join(tmp, f"{name}.json")
+            cmd = [sys.executable, os.path.abspath(__file__), *base, "--schemes", name, "--json", out]
+            if subprocess.run(cmd).returncode != 0:
+                print(f"scheme {name!r} failed (see above)", file=sys.stderr)
+                return 1
+            with open(out) as f:
+                rows += json.load(f)
+    if args.json:
+        write_atomic(args.json, json.dumps(rows, indent=2))
+    if args.markdown:
+        write_atomic(args.markdown, markdown(rows, args.target))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -91,9 +133,14 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=128, help="clipped to the model's max_seq_len")
     parser.add_argument("--scan-layers", action="store_true", help="stack the layers and scan over them")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--loss", choices=("answer", "sequence"), default="answer",
+                        help="answer: the fine-tuning step (logits on the answer window); sequence: on every position")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--markdown", default=None, help="write a markdown table here")
     args = parser.parse_args(argv)
+    schemes = args.schemes.split(",")
+    if len(schemes) > 1:
+        return _one_process_per_scheme(args, schemes, argv if argv is not None else sys.argv[1:])
 
     import jax
     import jax.numpy as jnp
@@ -102,7 +149,7 @@ def main(argv=None) -> int:
     import pockjax
     from pockjax.models import llama
     from pockjax.train.schemes import DEFAULT_BLOCKS, llama_scheme
-    from pockjax.train.steps import lm_train_step
+    from pockjax.train.steps import answer_train_step, lm_train_step
 
     options = {}
     for kv in args.target_option:
@@ -113,18 +160,29 @@ def main(argv=None) -> int:
     tx = optax.adamw(1e-4)
     seq = min(args.seq_len, model.config.max_seq_len)
     shape = (args.batch_size, seq)
-    tokens = jax.random.randint(jax.random.key(0), shape, 0, model.config.vocab)
-    batch = (tokens, tokens, jnp.ones(shape, jnp.float32))
+    if args.loss == "answer":
+        from pockjax.bench.common import BenchConfig, make_data
+
+        data = make_data(BenchConfig(model=args.model, batch=args.batch_size, seq=seq, warmup=0, steps=1), "speed")
+        batch = ({k: jnp.asarray(v) for k, v in data["batches"][0].items()},)
+        seq, window = data["seq"], data["window"]
+        train_step = answer_train_step(graphdef, tx, window)
+    else:
+        tokens = jax.random.randint(jax.random.key(0), shape, 0, model.config.vocab)
+        batch = (tokens, tokens, jnp.ones(shape, jnp.float32))
+        window = seq
+        train_step = lm_train_step(graphdef, tx)
     blocks = args.blocks or min(DEFAULT_BLOCKS, model.config.n_layers)
     rows = []
-    for name in args.schemes.split(","):
+    for name in schemes:
         scheme = llama_scheme(name, model.config, blocks=blocks)
         result = {"scheme": name, "model": args.model, "batch": args.batch_size, "seq": seq,
+                  "loss": args.loss, "logit_positions": window,
                   "scan_layers": args.scan_layers, "target": args.target}
         runs = {}
         for backend in ("xla", args.target):
             step = pockjax.compile(
-                lm_train_step(graphdef, tx), scheme=scheme, target=None if backend == "xla" else backend,
+                train_step, scheme=scheme, target=None if backend == "xla" else backend,
                 target_options=None if backend == "xla" else options,
             )
             p = jax.tree.map(jnp.copy, params)
