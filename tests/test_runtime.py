@@ -71,6 +71,12 @@ def test_weights_archive_roundtrip(tmp_path):
         np.testing.assert_array_equal(back[k], arrays[k])
 
 
+def test_load_weights_of_a_directory_says_which_file(tmp_path):
+    # IREE's parameter index crashes the process on a directory; the runtime checks first.
+    with pytest.raises(runtime.ModuleError, match="is a directory.*weights.irpa"):
+        runtime.load_weights(tmp_path)
+
+
 # ---------------------------------------------------------------------------
 # Running from NumPy arrays
 # ---------------------------------------------------------------------------

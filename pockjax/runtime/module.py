@@ -267,6 +267,9 @@ def load_weights(path: str | os.PathLike) -> dict[str, np.ndarray]:
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ModuleError(f"weights file {path!r} does not exist")
+    if os.path.isdir(path):
+        raise ModuleError(f"{path!r} is a directory; give the archive inside it (for an export: "
+                          f"{os.path.join(path, 'weights.irpa')!r})")
     index = rt.ParameterIndex()
     index.load(path, mmap=False)
     out: dict[str, np.ndarray] = {}
