@@ -88,6 +88,15 @@ def markdown(rows: list[dict], target: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_results(args, rows: list[dict]) -> int:
+    """Writes ``--json`` and ``--markdown`` (when given) for ``rows``."""
+    if args.json:
+        write_atomic(args.json, json.dumps(rows, indent=2))
+    if args.markdown:
+        write_atomic(args.markdown, markdown(rows, args.target))
+    return 0
+
+
 def _one_process_per_scheme(args, schemes: list[str], argv: list[str]) -> int:
     """Runs ``main`` once per scheme in a fresh process and writes the combined results."""
     import subprocess
@@ -114,11 +123,7 @@ def _one_process_per_scheme(args, schemes: list[str], argv: list[str]) -> int:
                 return 1
             with open(out) as f:
                 rows += json.load(f)
-    if args.json:
-        write_atomic(args.json, json.dumps(rows, indent=2))
-    if args.markdown:
-        write_atomic(args.markdown, markdown(rows, args.target))
-    return 0
+    return write_results(args, rows)
 
 
 def main(argv=None) -> int:
@@ -212,11 +217,7 @@ def main(argv=None) -> int:
             flush=True,
         )
         del runs, times
-    if args.json:
-        write_atomic(args.json, json.dumps(rows, indent=2))
-    if args.markdown:
-        write_atomic(args.markdown, markdown(rows, args.target))
-    return 0
+    return write_results(args, rows)
 
 
 if __name__ == "__main__":
