@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="tiny", help="tiny, or a pretrained name such as smollm2-135m")
     parser.add_argument("--target", default="cpu")
     parser.add_argument("--target-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="IREE target option, e.g. data_tiling=false (repeatable)")
+                        help="IREE target option, e.g. data_tiling=false or extra_flags='--flag1 --flag2' (repeatable)")
     parser.add_argument("--schemes", default="paper,full")
     parser.add_argument("--blocks", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=4)
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     options = {}
     for kv in args.target_option:
         k, _, v = kv.partition("=")
-        options[k] = {"true": True, "false": False}.get(v.lower(), v)
+        options[k] = v.split() if k == "extra_flags" else {"true": True, "false": False}.get(v.lower(), v)
     model = build(args.model, args.scan_layers)
     graphdef, params = llama.split(model)
     tx = optax.adamw(1e-4)

@@ -39,7 +39,7 @@ def _cmd(args: argparse.Namespace) -> int:
             print(f"{name:22s} {row.description}")
         return 0
     cfg = BenchConfig(model=args.model, batch=args.batch, seq=args.seq, warmup=args.warmup,
-                      steps=args.steps, lr=args.lr, lora_lr=args.lora_lr, blocks=args.blocks,
+                      steps=args.steps, lr=args.lr, lora_lr=args.lora_lr, sparse_lr=args.sparse_lr, blocks=args.blocks,
                       threads=args.threads, quality_steps=args.quality_steps,
                       quality_batch=args.quality_batch, quality_seq=args.quality_seq,
                       eval_examples=args.eval_examples, seed=args.seed)
@@ -78,8 +78,10 @@ def register(subparsers) -> None:
     p.add_argument("--quality-batch", type=int, default=8)
     p.add_argument("--quality-seq", type=int, default=None)
     p.add_argument("--eval-examples", type=int, default=40)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--lora-lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate of the full rows")
+    p.add_argument("--lora-lr", type=float, default=1e-3, help="... of the LoRA row")
+    p.add_argument("--sparse-lr", type=float, default=1e-3,
+                   help="... of the sparse rows (paper, norm-only, channels, requires_grad, frozen)")
     p.add_argument("--blocks", type=int, default=None, help="last blocks of the paper scheme")
     p.add_argument("--threads", type=int, default=None, help="PyTorch threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0)

@@ -32,8 +32,12 @@ class BenchConfig:
       batch, seq: Rows per step and tokens per row of the speed phase.
       warmup: Untimed steps at the start of every process.
       steps: Timed steps per process (the median is over all repetitions).
-      lr: AdamW learning rate of the full and sparse rows.
+      lr: AdamW learning rate of the full fine-tuning rows.
       lora_lr: AdamW learning rate of the LoRA row (LoRA is usually run ~3x higher).
+      sparse_lr: AdamW learning rate of the sparse rows (``paper``, norm-only,
+        channel-sparse, PyTorch ``requires_grad``, plain JAX frozen): like LoRA,
+        a step that updates a few tensors is run at a higher rate than full
+        fine-tuning (see :func:`row_lr`).
       lora_rank: LoRA rank (alpha = 2 x rank, q/k/v/o projections).
       blocks: Last blocks of the ``paper`` scheme (None: pockjax's default).
       threads: Intra-op threads of PyTorch (None: every core).
@@ -51,6 +55,7 @@ class BenchConfig:
     steps: int = 3
     lr: float = 3e-4
     lora_lr: float = 1e-3
+    sparse_lr: float = 1e-3
     lora_rank: int = 8
     blocks: int | None = None
     threads: int | None = None
@@ -70,6 +75,22 @@ class BenchConfig:
         if unknown:
             raise ValueError(f"unknown benchmark settings {unknown}; known: {sorted(names)}")
         return cls(**d)
+
+
+def row_lr(kind: str, cfg: BenchConfig) -> float:
+    """The learning rate of a row of kind ``kind`` (``full``, ``lora``, or a sparse kind).
+
+    Example:
+        >>> from pockjax.bench.common import BenchConfig, row_lr
+        >>> cfg = BenchConfig()
+        >>> row_lr("full", cfg), row_lr("lora", cfg), row_lr("paper", cfg)
+        (0.0003, 0.001, 0.001)
+    """
+    if kind == "full":
+        return cfg.lr
+    if kind == "lora":
+        return cfg.lora_lr
+    return cfg.sparse_lr
 
 
 def load_tokenizer_for(model: str):

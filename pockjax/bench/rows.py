@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pockjax.bench.common import (BenchConfig, proc_peak_rss, proc_rss, reset_peak_rss,
+from pockjax.bench.common import (BenchConfig, proc_peak_rss, proc_rss, reset_peak_rss, row_lr,
                                   timed_steps, trim_heap)
 
 __all__ = ["ROWS", "DEFAULT_ROWS", "QUALITY_ROWS", "Row", "run_row"]
@@ -127,14 +127,13 @@ def torch_row(job: dict) -> dict:
     t0 = time.perf_counter()
     model = _torch_model(job)
     model.config.use_cache = False
-    lr = cfg.lr
+    lr = row_lr(kind, cfg)
     if kind == "lora":
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank, lora_dropout=0.0, bias="none",
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
         model = get_peft_model(model, lora)
-        lr = cfg.lora_lr
     elif kind == "sparse":
         names = set(job["trainable"])
         found = set()
@@ -242,7 +241,7 @@ def jax_row(job: dict) -> dict:
     config = model.config
     graphdef, params = llama.split(model)
     del model
-    tx = optax.adamw(cfg.lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
+    tx = optax.adamw(row_lr(job["kind"], cfg), b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
     flat = llama.flatten_params(params)
     frozen = None
 
@@ -345,7 +344,7 @@ def pockjax_row(job: dict) -> dict:
     scheme = _scheme(job["kind"], model.config, cfg)
     graphdef, params = llama.split(model)
     del model
-    tx = optax.adamw(cfg.lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
+    tx = optax.adamw(row_lr(job["kind"], cfg), b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
     window = int(job["window"])
 
     if row.options.get("seqloss"):

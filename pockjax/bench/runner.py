@@ -295,7 +295,8 @@ def merge(paths: Sequence[str], out: str) -> dict:
     first = runs[0]["config"]
     for r in runs[1:]:
         c = r["config"]
-        for key in ("model", "seed", "lr", "lora_lr", "lora_rank", "blocks"):
+        # The learning rates only shape the quality phase: they come from the quality run.
+        for key in ("model", "seed", "lora_rank", "blocks"):
             if c.get(key) != first.get(key):
                 raise ValueError(f"cannot merge runs with different {key}: {first.get(key)!r} vs {c.get(key)!r}")
     speed_runs = [r for r in runs if r["speed"]]
@@ -308,6 +309,8 @@ def merge(paths: Sequence[str], out: str) -> dict:
         q = quality_runs[0]["config"]
         cfg.quality_steps, cfg.quality_batch, cfg.quality_seq, cfg.eval_examples = (
             q["quality_steps"], q["quality_batch"], q["quality_seq"], q["eval_examples"])
+        cfg.lr, cfg.lora_lr = q["lr"], q["lora_lr"]
+        cfg.sparse_lr = q.get("sparse_lr", q["lr"])  # runs before sparse_lr trained sparse rows at lr
     raw = [x for r in runs for x in r["raw"]
            if (x.get("phase") == "speed" and r in speed_runs) or (x.get("phase") == "quality" and r in quality_runs)]
     results = summarize(raw, cfg)
@@ -365,7 +368,9 @@ def markdown_table(results: dict) -> str:
     if q_steps:
         lines.append(f"Quality: {q_steps} AdamW steps of {qs.get('batch')} x {qs.get('seq')} tokens on"
                      f" reverse-words, exact match on {cfg['eval_examples']} held-out examples"
-                     f" (same batches and evaluator for every row).")
+                     f" (same batches and evaluator for every row); AdamW learning rate {cfg['lr']:g} for"
+                     f" full fine-tuning, {cfg.get('sparse_lr', cfg['lr']):g} for the sparse rows,"
+                     f" {cfg['lora_lr']:g} for LoRA.")
     lines.append("Goals:")
     for g in results["goals"]:
         if g["value"] is None:
