@@ -39,6 +39,16 @@ NESTED_PARAMS: dict[str, tuple[str, ...]] = {
 }
 
 
+def is_var(v) -> bool:
+    """Whether a jaxpr operand is a variable (not a literal)."""
+    return not isinstance(v, C.Literal)
+
+
+def producers(eqns: Sequence[C.JaxprEqn]) -> dict:
+    """``{var: index of the equation in eqns that defines it}`` (dropped outputs left out)."""
+    return {v: i for i, e in enumerate(eqns) for v in e.outvars if not isinstance(v, C.DropVar)}
+
+
 def bind_eqn(eqn: C.JaxprEqn, invals: Sequence, params: dict | None = None) -> list:
     """Bind ``eqn``'s primitive on ``invals`` (with ``params`` overriding)."""
     params = dict(eqn.params if params is None else params)

@@ -48,8 +48,6 @@ so the new values are written into the old buffers.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 
 from pockjax import _compat as C
@@ -60,8 +58,7 @@ from pockjax.transforms import _interp
 __all__ = ["inplace_update", "update_schedule"]
 
 
-def _is_var(v: Any) -> bool:
-    return not isinstance(v, C.Literal)
+_is_var = _interp.is_var
 
 
 def _phase_is_forward(eqn) -> bool:
@@ -99,11 +96,7 @@ def update_schedule(jaxpr: C.Jaxpr) -> dict:
     """
     eqns = list(jaxpr.eqns)
     n = len(eqns)
-    producer: dict = {}
-    for i, e in enumerate(eqns):
-        for v in e.outvars:
-            if not isinstance(v, C.DropVar):
-                producer[v] = i
+    producer = _interp.producers(eqns)
     preds = [sorted({producer[v] for v in e.invars if _is_var(v) and v in producer}) for e in eqns]
     tag_eqns = [i for i, e in enumerate(eqns) if e.primitive is tags.grad_tag_p]
     if not tag_eqns:
@@ -231,7 +224,7 @@ def inplace_update(*, barrier: bool = True):
             return graph.replace(meta=meta)
 
         # coupled parameters: state outputs whose value reads more than one gradient
-        producer = {v: i for i, e in enumerate(eqns) for v in e.outvars if not isinstance(v, C.DropVar)}
+        producer = _interp.producers(eqns)
         coupled = []
         for o, (v, src) in enumerate(zip(jaxpr.outvars, graph.out_to_in)):
             if src is None or graph.in_roles[src] != "param" or not _is_var(v) or v not in producer:

@@ -64,8 +64,7 @@ def _nbytes(aval: Any) -> int:
         return 0
 
 
-def _is_var(v: Any) -> bool:
-    return not isinstance(v, C.Literal)
+_is_var = _interp.is_var
 
 
 def _phase(eqn) -> str:
@@ -99,11 +98,7 @@ def _plan_remat(jaxpr, budget: float, max_depth: int, transcendental_cost: float
     """Choose values to recompute; returns ``{var: (first_backward_pos, [eqn idx chain])}`` and FLOPs."""
     eqns = jaxpr.eqns
     n = len(eqns)
-    producer: dict = {}
-    for i, e in enumerate(eqns):
-        for v in e.outvars:
-            if not isinstance(v, C.DropVar):
-                producer[v] = i
+    producer = _interp.producers(eqns)
     readers: dict = {}
     for i, e in enumerate(eqns):
         for v in e.invars:
@@ -186,7 +181,7 @@ def _apply_remat(graph: TrainGraph, chosen: dict) -> TrainGraph:
     for v, (at, chain) in chosen.items():
         by_pos.setdefault(at, []).append((v, chain))
     consts = list(graph.closed_jaxpr.consts)
-    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars if not isinstance(v, C.DropVar)}
+    producer = _interp.producers(eqns)
 
     def fun(*args):
         env: dict = {}
