@@ -380,7 +380,9 @@ def markdown_table(results: dict) -> str:
         elif g["what"] == "memory":
             state = f"{g['value']:.2f} of it (goal <= {g['target']}) {'met' if g['met'] else 'NOT met'}"
         else:
-            state = f"{g['value']:+.1f} points below (goal <= {g['target']}) {'met' if g['met'] else 'NOT met'}"
+            gap = (f"{g['value']:.1f} points below" if g["value"] > 0 else
+                   f"{-g['value']:.1f} points above" if g["value"] < 0 else "level")
+            state = f"{gap} (goal: at most {g['target']} below) {'met' if g['met'] else 'NOT met'}"
         lines.append(f"- {g['row']} vs {g['baseline']}, {g['what']}: {state}")
     return "\n".join(lines) + "\n"
 
