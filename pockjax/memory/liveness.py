@@ -53,11 +53,9 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from jax.extend import core as jex_core
 
@@ -537,18 +535,24 @@ class _Program:
             total = total + extras
         return total
 
-    def priority_order(self, priority: Sequence[int]) -> list[int]:
-        """The topological order that always runs the ready node with the smallest
-        ``(priority, program index)``."""
+    def _dependencies(self) -> tuple[list[int], list[list[int]]]:
+        """Per node, how many distinct nodes it reads from, and which nodes read from it."""
         nodes, values = self.nodes, self.values
-        n = len(nodes)
-        deps = [0] * n
-        users: list[list[int]] = [[] for _ in range(n)]
+        deps = [0] * len(nodes)
+        users: list[list[int]] = [[] for _ in nodes]
         for ni, node in enumerate(nodes):
             producers = {values[v].def_node for v in node.ins if values[v].def_node >= 0}
             deps[ni] = len(producers)
             for p in producers:
                 users[p].append(ni)
+        return deps, users
+
+    def priority_order(self, priority: Sequence[int]) -> list[int]:
+        """The topological order that always runs the ready node with the smallest
+        ``(priority, program index)``."""
+        nodes = self.nodes
+        n = len(nodes)
+        deps, users = self._dependencies()
         heap = [(priority[ni], ni) for ni in range(n) if deps[ni] == 0]
         heapq.heapify(heap)
         order = []
@@ -599,13 +603,7 @@ class _Program:
                 reads[r].append(vid)
         remaining = [len(rs) for rs in readers]
 
-        deps = [0] * n
-        users: list[list[int]] = [[] for _ in range(n)]
-        for ni, node in enumerate(nodes):
-            producers = {values[v].def_node for v in node.ins if values[v].def_node >= 0}
-            deps[ni] = len(producers)
-            for p in producers:
-                users[p].append(ni)
+        deps, users = self._dependencies()
         sizes = self.sizes
         free_node = -(2**62)
 
