@@ -87,7 +87,7 @@ def test_proxy_ranks_a_unit_that_matters_above_one_that_does_not():
     # with block 1's value projection zeroed, the attention output of that block is
     # zero whatever wq, wk, wo are: their gradients vanish, wv's does not
     m = llama.Llama(CFG, rngs=nnx.Rngs(1))
-    m.layers[1].attn.wv.kernel.set_value(jnp.zeros_like(m.layers[1].attn.wv.kernel.value))
+    m.layers[1].attn.wv.kernel.set_value(jnp.zeros_like(m.layers[1].attn.wv.kernel.get_value()))
     units = [Unit(1, "wq"), Unit(1, "wv"), Unit(1, "wo"), Unit(1, "w1")]
     c = gradient_proxy(m, [_batch(0), _batch(1)], W, units)
     assert c.gain[Unit(1, "wv")] > 0 and c.gain[Unit(1, "wo")] == 0 and c.gain[Unit(1, "wq")] == 0
