@@ -135,7 +135,8 @@ def main(argv=None) -> int:
     parser.add_argument("--schemes", default="paper,full")
     parser.add_argument("--blocks", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=128, help="clipped to the model's max_seq_len")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per row (default: 128; 192 for tiny), clipped to the model's max_seq_len")
     parser.add_argument("--scan-layers", action="store_true", help="stack the layers and scan over them")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--loss", choices=("answer", "sequence"), default="answer",
@@ -163,7 +164,9 @@ def main(argv=None) -> int:
     model = build(args.model, args.scan_layers)
     graphdef, params = llama.split(model)
     tx = optax.adamw(1e-4)
-    seq = min(args.seq_len, model.config.max_seq_len)
+    from pockjax.bench.common import default_seq
+
+    seq = min(default_seq(args.model) if args.seq_len is None else args.seq_len, model.config.max_seq_len)
     shape = (args.batch_size, seq)
     if args.loss == "answer":
         from pockjax.bench.common import BenchConfig, make_data

@@ -125,6 +125,18 @@ def test_bad_rows_are_refused(tmp_path):
                          "pockjax-paper-iree"}
 
 
+def test_rows_too_short_for_the_task_are_a_clear_error(tmp_path, capsys):
+    from pockjax.bench.common import default_seq
+    from pockjax.cli import main
+
+    # the byte-level tiny model needs 165 tokens for the longest example
+    assert default_seq("tiny") >= 165 and default_seq("smollm2-135m") == 128
+    assert main(["bench", "--model", "tiny", "--seq", "64", "--rows", "pockjax-full",
+                 "--out", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "exceed seq_len=64" in err and "--seq" in err
+
+
 def test_merge_combines_runs_and_refuses_different_settings(tiny_results, tmp_path):
     from pockjax.bench.runner import merge
 

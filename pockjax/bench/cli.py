@@ -8,7 +8,7 @@ import argparse
 def _cmd(args: argparse.Namespace) -> int:
     import sys
 
-    from pockjax.bench.common import BenchConfig
+    from pockjax.bench.common import BenchConfig, default_seq
     from pockjax.bench.rows import DEFAULT_ROWS, QUALITY_ROWS, ROWS
     from pockjax.bench.runner import run
 
@@ -38,7 +38,8 @@ def _cmd(args: argparse.Namespace) -> int:
         for name, row in ROWS.items():
             print(f"{name:22s} {row.description}")
         return 0
-    cfg = BenchConfig(model=args.model, batch=args.batch, seq=args.seq, warmup=args.warmup,
+    seq = default_seq(args.model) if args.seq is None else args.seq
+    cfg = BenchConfig(model=args.model, batch=args.batch, seq=seq, warmup=args.warmup,
                       steps=args.steps, lr=args.lr, lora_lr=args.lora_lr, sparse_lr=args.sparse_lr, blocks=args.blocks,
                       threads=args.threads, quality_steps=args.quality_steps,
                       quality_batch=args.quality_batch, quality_seq=args.quality_seq,
@@ -47,9 +48,16 @@ def _cmd(args: argparse.Namespace) -> int:
         print("pockjax bench: --batch, --seq and --steps must be >= 1, --warmup and"
               " --quality-steps >= 0", file=sys.stderr)
         return 2
-    results = run(cfg, rows=names(args.rows, DEFAULT_ROWS), reps=args.reps,
-                  quality_rows=names(args.quality_rows, QUALITY_ROWS), out=args.out,
-                  timeout=args.timeout, progress=not args.no_progress)
+    from pockjax.data.batching import SequenceLengthError
+
+    try:
+        results = run(cfg, rows=names(args.rows, DEFAULT_ROWS), reps=args.reps,
+                      quality_rows=names(args.quality_rows, QUALITY_ROWS), out=args.out,
+                      timeout=args.timeout, progress=not args.no_progress)
+    except SequenceLengthError as e:
+        print(f"pockjax bench: {e} (--seq for the speed phase, --quality-seq for the quality phase)",
+              file=sys.stderr)
+        return 2
     from pockjax.bench.runner import markdown_table
 
     print(markdown_table(results))
@@ -67,7 +75,7 @@ def register(subparsers) -> None:
                     " every row in its own process, rows interleaved over repetitions.")
     p.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "tiny"])
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--seq", type=int, default=None, help="tokens per row (default: 128; 192 for tiny)")
     p.add_argument("--reps", type=int, default=2, help="rounds of the speed phase")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per process")
     p.add_argument("--steps", type=int, default=3, help="timed steps per process")

@@ -77,6 +77,18 @@ class BenchConfig:
         return cls(**d)
 
 
+def default_seq(model: str) -> int:
+    """The default speed-phase row length for ``model``: 128 tokens, or 192 for
+    ``tiny``, whose byte-level tokenizer needs one token per character (the
+    longest reverse-words example is 165 bytes).
+
+    Example:
+        >>> default_seq("smollm2-135m"), default_seq("tiny")
+        (128, 192)
+    """
+    return 192 if model == "tiny" else 128
+
+
 def row_lr(kind: str, cfg: BenchConfig) -> float:
     """The learning rate of a row of kind ``kind`` (``full``, ``lora``, or a sparse kind).
 
