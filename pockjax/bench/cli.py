@@ -40,8 +40,8 @@ def _cmd(args: argparse.Namespace) -> int:
         return 0
     seq = default_seq(args.model) if args.seq is None else args.seq
     cfg = BenchConfig(model=args.model, batch=args.batch, seq=seq, warmup=args.warmup,
-                      steps=args.steps, lr=args.lr, lora_lr=args.lora_lr, sparse_lr=args.sparse_lr, blocks=args.blocks,
-                      threads=args.threads, quality_steps=args.quality_steps,
+                      steps=args.steps, lr=args.lr, lora_lr=args.lora_lr, sparse_lr=args.sparse_lr,
+                      blocks=args.blocks, threads=args.threads, quality_steps=args.quality_steps,
                       quality_batch=args.quality_batch, quality_seq=args.quality_seq,
                       eval_examples=args.eval_examples, seed=args.seed)
     if min(cfg.batch, cfg.seq, cfg.steps) < 1 or cfg.warmup < 0 or cfg.quality_steps < 0:
