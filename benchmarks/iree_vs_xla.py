@@ -153,6 +153,7 @@ def main(argv=None) -> int:
     import optax
 
     import pockjax
+    from pockjax.bench.common import BenchConfig, default_seq, make_data
     from pockjax.models import llama
     from pockjax.train.schemes import DEFAULT_BLOCKS, llama_scheme
     from pockjax.train.steps import answer_train_step, lm_train_step
@@ -164,13 +165,9 @@ def main(argv=None) -> int:
     model = build(args.model, args.scan_layers)
     graphdef, params = llama.split(model)
     tx = optax.adamw(1e-4)
-    from pockjax.bench.common import default_seq
-
     seq = min(default_seq(args.model) if args.seq_len is None else args.seq_len, model.config.max_seq_len)
     shape = (args.batch_size, seq)
     if args.loss == "answer":
-        from pockjax.bench.common import BenchConfig, make_data
-
         data = make_data(BenchConfig(model=args.model, batch=args.batch_size, seq=seq, warmup=0, steps=1), "speed")
         batch = ({k: jnp.asarray(v) for k, v in data["batches"][0].items()},)
         seq, window = data["seq"], data["window"]
