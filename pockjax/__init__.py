@@ -44,6 +44,7 @@ _EXPORTS = {
     "UpdateScheme": "pockjax.scheme",
     "channels": "pockjax.scheme",
     "dce": "pockjax.transforms.dce",
+    "fold_dot_transpose": "pockjax.transforms.fold_dot_transpose",
     "inplace_update": "pockjax.transforms.inplace_update",
     "reorder_for_memory": "pockjax.transforms.reorder_for_memory",
     "sparse_grad": "pockjax.transforms.sparse_grad",

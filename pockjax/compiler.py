@@ -11,7 +11,7 @@
 The decorated function has the signature of ``train_step``. On the first call
 with a new input signature (tree structure, shapes, dtypes) it traces the
 step into a :class:`~pockjax.graph.TrainGraph`, runs the passes
-(``sparse_grad(scheme)`` then ``dce`` by default), strips pockjax's tags and
+(``sparse_grad(scheme)``, ``dce`` and ``fold_dot_transpose`` by default), strips pockjax's tags and
 compiles the result with the backend; later calls with that signature reuse
 the :class:`CompiledStep`.
 
@@ -36,6 +36,7 @@ from pockjax.optim.state import SparseOptState
 from pockjax.paths import keypath_to_parts
 from pockjax.scheme import UpdateScheme
 from pockjax.transforms.dce import dce
+from pockjax.transforms.fold_dot_transpose import fold_dot_transpose
 from pockjax.transforms.sparse_grad import sparse_grad
 from pockjax.transforms.strip_tags import strip_tags
 
@@ -63,10 +64,10 @@ def chain(*passes: Pass) -> Pass:
 
 
 def default_passes(scheme: UpdateScheme | None, sparse_opt_state: bool = False) -> Pass:
-    """``sparse_grad(scheme)`` then ``dce`` (just ``dce`` without a scheme)."""
+    """``sparse_grad(scheme)``, ``dce``, then ``fold_dot_transpose`` (no ``sparse_grad`` without a scheme)."""
     if scheme is None:
-        return chain(dce)
-    return chain(sparse_grad(scheme, sparse_opt_state=sparse_opt_state), dce)
+        return chain(dce, fold_dot_transpose)
+    return chain(sparse_grad(scheme, sparse_opt_state=sparse_opt_state), dce, fold_dot_transpose)
 
 
 # -- the compiled step ----------------------------------------------------------
@@ -449,7 +450,8 @@ def compile(
       step: ``step(params, opt_state, *batch) -> (params, opt_state, *aux)``,
         or a Flax NNX step ``step(model, optimizer, *batch) -> aux``.
       scheme: the :class:`~pockjax.UpdateScheme`; ``None`` trains everything.
-      passes: a pass pipeline to use instead of ``sparse_grad(scheme)`` + ``dce``.
+      passes: a pass pipeline to use instead of :func:`default_passes`
+        (``sparse_grad(scheme)`` + ``dce`` + ``fold_dot_transpose``).
       target: ``None`` compiles in process with XLA; a name from
         :mod:`pockjax.backends.targets` (``"cpu"``, ``"arm64"``, ``"vulkan"``,
         ``"cuda"``, ``"dsp"``) compiles ahead of time with IREE.

@@ -326,7 +326,12 @@ def test_cpu_data_tiling_option_and_auto_threshold():
 
 
 def test_cpu_data_tiling_full_step_needs_dot_barrier_workaround(monkeypatch):
-    """Data tiling fuses a transposed gradient's packing into its producer: llvm-cpu refuses it."""
+    """Data tiling fuses a transposed gradient's packing into its producer: llvm-cpu refuses it.
+
+    The default passes' ``fold_dot_transpose`` computes weight gradients without
+    that transpose, so the step here runs ``sparse_grad`` + ``dce`` only: the
+    workaround is what makes such a pipeline (a user's own ``passes=``) compile.
+    """
     import jax
     import jax.numpy as jnp
     import optax
@@ -345,7 +350,8 @@ def test_cpu_data_tiling_full_step_needs_dot_barrier_workaround(monkeypatch):
     batch = (tokens, tokens, jnp.ones((2, 16), jnp.float32))
 
     def compiled(target):
-        step = pockjax.compile(lm_train_step(graphdef, tx), scheme=scheme, target=target,
+        passes = pockjax.chain(pockjax.sparse_grad(scheme, sparse_opt_state=True), pockjax.dce)
+        step = pockjax.compile(lm_train_step(graphdef, tx), scheme=scheme, target=target, passes=passes,
                                target_options=None if target is None else {"data_tiling": True})
         p = jax.tree.map(jnp.copy, params)
         return [step, p, pockjax.init_opt_state(tx, p, scheme)]

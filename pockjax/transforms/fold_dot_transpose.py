@@ -1,0 +1,138 @@
+"""Fold ``transpose(dot_general(a, b))`` into ``dot_general(b, a)``.
+
+JAX's transpose rule for a matmul's right operand computes the weight
+gradient the other way round and transposes it: for ``y = x @ w`` the jaxpr
+of the backward pass holds ``transpose(dot_general(dy, x), (1, 0))``. The
+transpose itself is cheap, but it makes XLA's CPU backend put ``dy`` (not
+``x``) on the left of the matmul with its token axes last, so ``dy`` is
+transposed in memory. ``dy`` is usually the output of an elementwise
+backward (SwiGLU's, RMSNorm's), and XLA fuses that elementwise computation
+into the transposing copy: a loop that writes in one order and reads four
+operands in another. On SmolLM2-135M's full fine-tuning step those fusions
+took 608 ms of a 3.4 s step (6.4 ms each for the 1536-wide FFN gradients, 16x
+a plain copy of the same bytes).
+
+The pass rewrites each such pair into one ``dot_general`` with the operands
+swapped, which computes the transposed result directly (the output dimension
+order of ``dot_general`` is batch, left-free, right-free; swapping the
+operands swaps the two free groups). It applies when:
+
+* the transpose keeps the batch dimensions in place and swaps the two free
+  groups, each kept in its order (the weight-gradient case), and
+* the transpose is the ``dot_general``'s only consumer (otherwise the matmul
+  would be computed twice) and the ``dot_general`` has no output sharding.
+
+The result is the same computation (every output element is the same sum of
+products), so losses, parameters and optimizer state agree with the unfolded
+step to rounding. Nested jaxprs (``jit``, ``scan``, ``remat``, custom
+derivatives) are rewritten too. :func:`pockjax.compile` runs this pass after
+``sparse_grad`` and ``dce`` by default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pockjax import _compat as C
+from pockjax.graph import TrainGraph
+from pockjax.transforms._interp import is_var, producers
+
+__all__ = ["fold_dot_transpose", "fold_dot_transpose_jaxpr"]
+
+
+def _swapped_dot_params(dot: C.JaxprEqn, transpose: C.JaxprEqn) -> dict | None:
+    """The params of ``dot_general(b, a)`` equal to ``transpose(dot)``, or None."""
+    if dot.params.get("out_sharding") is not None:
+        return None
+    (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
+    a, b = dot.invars
+    nbatch = len(lb)
+    na = a.aval.ndim - len(lc) - nbatch
+    nb = b.aval.ndim - len(rc) - len(rb)
+    batch = tuple(range(nbatch))
+    swap = batch + tuple(range(nbatch + na, nbatch + na + nb)) + tuple(range(nbatch, nbatch + na))
+    if tuple(transpose.params["permutation"]) != swap:
+        return None
+    return dict(dot.params, dimension_numbers=((tuple(rc), tuple(lc)), (tuple(rb), tuple(lb))))
+
+
+def _rewrite_nested(value: Any) -> tuple[Any, int]:
+    if isinstance(value, C.ClosedJaxpr):
+        inner, n = fold_dot_transpose_jaxpr(value.jaxpr)
+        return (C.ClosedJaxpr(inner, value.consts) if n else value), n
+    if isinstance(value, C.Jaxpr):
+        inner, n = fold_dot_transpose_jaxpr(value)
+        return (inner if n else value), n
+    parts = [_rewrite_nested(v) for v in value]
+    n = sum(k for _, k in parts)
+    return (type(value)(p for p, _ in parts) if n else value), n
+
+
+def fold_dot_transpose_jaxpr(jaxpr: C.Jaxpr) -> tuple[C.Jaxpr, int]:
+    """Fold every eligible ``transpose(dot_general)`` pair of ``jaxpr``.
+
+    Returns the new jaxpr (same inputs and outputs) and the number of pairs
+    folded, nested jaxprs included.
+    """
+    eqns = list(jaxpr.eqns)
+    made_by = producers(eqns)
+    uses: dict = {}
+    for e in eqns:
+        for v in e.invars:
+            if is_var(v):
+                uses[v] = uses.get(v, 0) + 1
+    for v in jaxpr.outvars:
+        if is_var(v):
+            uses[v] = uses.get(v, 0) + 1
+    folded, dead = 0, set()
+    for i, e in enumerate(eqns):
+        subs = C.subjaxprs_of(e)
+        if subs:
+            params = dict(e.params)
+            for name, value in subs:
+                params[name], n = _rewrite_nested(value)
+                folded += n
+            eqns[i] = e.replace(params=params)
+            continue
+        if e.primitive.name != "transpose" or not is_var(e.invars[0]):
+            continue
+        k = made_by.get(e.invars[0])
+        if k is None or k in dead or eqns[k].primitive.name != "dot_general" or uses[e.invars[0]] != 1:
+            continue
+        dot = eqns[k]
+        params = _swapped_dot_params(dot, e)
+        if params is None:
+            continue
+        eqns[i] = C.new_jaxpr_eqn(list(reversed(dot.invars)), e.outvars, dot.primitive, params,
+                                  dot.effects, dot.source_info, dot.ctx)
+        dead.add(k)
+        folded += 1
+    if not folded:
+        return jaxpr, 0
+    return jaxpr.replace(eqns=[e for i, e in enumerate(eqns) if i not in dead]), folded
+
+
+def fold_dot_transpose(graph: TrainGraph) -> TrainGraph:
+    """Fold ``transpose(dot_general(a, b))`` into ``dot_general(b, a)`` (a pass).
+
+    ``graph.meta["fold_dot_transpose"]`` records how many pairs were folded.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, pockjax
+        >>> def step(params, opt_state, x):
+        ...     loss, g = jax.value_and_grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(params)
+        ...     return params - 0.1 * g, opt_state, loss
+        >>> g = pockjax.trace_step(step, (jnp.ones((3, 2)), (), jnp.ones((4, 3))))
+        >>> folded = pockjax.fold_dot_transpose(pockjax.strip_tags(g))
+        >>> folded.meta["fold_dot_transpose"]
+        1
+        >>> [e.primitive.name for e in folded.jaxpr.eqns].count("transpose")
+        0
+    """
+    new_jaxpr, n = fold_dot_transpose_jaxpr(graph.jaxpr)
+    if n:
+        C.check_jaxpr(new_jaxpr)
+    meta = dict(graph.meta)
+    meta["passes"] = list(meta.get("passes", [])) + ["fold_dot_transpose"]
+    meta["fold_dot_transpose"] = n
+    return graph.replace(closed_jaxpr=C.ClosedJaxpr(new_jaxpr, graph.closed_jaxpr.consts), meta=meta)
