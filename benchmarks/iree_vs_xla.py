@@ -67,7 +67,9 @@ def interleaved_times(runs: dict, batch, steps: int) -> dict[str, list[float]]:
 
 
 def write_atomic(path: str, text: str) -> None:
-    with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(path)), delete=False) as f:
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=parent, delete=False) as f:
         f.write(text)
     os.replace(f.name, path)
 
@@ -144,6 +146,15 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--markdown", default=None, help="write a markdown table here")
     args = parser.parse_args(argv)
+    for out in (args.json, args.markdown):  # fail now, not after the compiles, if it cannot be written
+        if out:
+            parent = os.path.dirname(os.path.abspath(out))
+            try:
+                os.makedirs(parent, exist_ok=True)
+            except OSError as e:
+                parser.error(f"cannot create the output directory {parent}: {e}")
+            if os.path.isdir(out):
+                parser.error(f"{out} is a directory; give a file name")
     schemes = args.schemes.split(",")
     if len(schemes) > 1:
         return _one_process_per_scheme(args, schemes, argv if argv is not None else sys.argv[1:])

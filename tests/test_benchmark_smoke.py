@@ -15,9 +15,18 @@ def _load(name):
 
 
 def test_iree_vs_xla_tiny(tmp_path):
-    out = tmp_path / "ivx.json"
+    out = tmp_path / "not-yet" / "ivx.json"  # made by the benchmark
     bench = _load("iree_vs_xla")
     assert bench.main(["--model", "tiny", "--schemes", "paper", "--blocks", "1", "--steps", "2", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())
     assert row["xla_step_s"] > 0 and row["cpu_step_s"] > 0 and row["module_bytes"] > 10_000
     assert row["seq"] == 192  # the tiny model's default: its byte tokenizer needs 165 tokens
+
+
+def test_iree_vs_xla_rejects_an_unwritable_output_before_compiling(tmp_path, capsys):
+    import pytest
+
+    bench = _load("iree_vs_xla")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--model", "tiny", "--schemes", "paper", "--json", str(tmp_path)])
+    assert e.value.code == 2 and "is a directory" in capsys.readouterr().err
