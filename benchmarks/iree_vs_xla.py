@@ -67,9 +67,8 @@ def interleaved_times(runs: dict, batch, steps: int) -> dict[str, list[float]]:
 
 
 def write_atomic(path: str, text: str) -> None:
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=parent, delete=False) as f:
+    # main() has made the directory (and refused an unwritable path) before compiling
+    with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(path)), delete=False) as f:
         f.write(text)
     os.replace(f.name, path)
 
