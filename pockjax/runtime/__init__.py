@@ -10,6 +10,7 @@ Example (on the device)::
 """
 
 from pockjax.runtime.module import (
+    MEMORY_GROWTH_DRIVERS,
     METADATA_FILE,
     MODULE_FILE,
     WEIGHTS_FILE,
@@ -17,6 +18,7 @@ from pockjax.runtime.module import (
     DeviceBuffer,
     DeviceSession,
     InputError,
+    MemoryGrowthWarning,
     ModuleError,
     ModuleMetadata,
     StatefulModule,
@@ -24,11 +26,13 @@ from pockjax.runtime.module import (
     TensorSpec,
     load,
     load_weights,
+    process_rss_bytes,
     read_metadata,
     save_weights,
 )
 
 __all__ = [
+    "MEMORY_GROWTH_DRIVERS",
     "METADATA_FILE",
     "MODULE_FILE",
     "WEIGHTS_FILE",
@@ -36,6 +40,7 @@ __all__ = [
     "DeviceBuffer",
     "DeviceSession",
     "InputError",
+    "MemoryGrowthWarning",
     "ModuleError",
     "ModuleMetadata",
     "StatefulModule",
@@ -43,6 +48,7 @@ __all__ = [
     "TensorSpec",
     "load",
     "load_weights",
+    "process_rss_bytes",
     "read_metadata",
     "save_weights",
 ]

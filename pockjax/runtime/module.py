@@ -37,6 +37,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -62,6 +63,9 @@ __all__ = [
     "save_weights",
     "load_weights",
     "host_machine_triple_prefix",
+    "process_rss_bytes",
+    "MemoryGrowthWarning",
+    "MEMORY_GROWTH_DRIVERS",
 ]
 
 METADATA_FORMAT = "pockjax-iree-module"
@@ -540,11 +544,13 @@ class DeviceBuffer:
     it back as a state input of the session that made it costs no transfer.
     """
 
-    __slots__ = ("session", "value", "shape", "dtype", "_host")
+    # "value" before "session": slots are cleared in this order, so the buffer view is
+    # released while its session (and the device whose allocator owns it) is still alive.
+    __slots__ = ("value", "session", "shape", "dtype", "_host")
 
     def __init__(self, session, value, shape, dtype):
-        self.session = session
         self.value = value
+        self.session = session
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
         self._host = None
@@ -566,6 +572,46 @@ class DeviceBuffer:
         return f"DeviceBuffer(shape={self.shape}, dtype={self.dtype.name})"
 
 
+# IREE 3.13's local-task device serves each queue allocation larger than its 64 MiB pool
+# slab from a pass-through pool, and a train step's transient slabs above that size are
+# not given back: the process grows by about one such slab per step, without bound
+# (SmolLM2-135M's `paper` step at batch 4 x 128: 360-380 MB per step; none at batch 1,
+# whose transients fit a slab, nor on local-sync, whose allocations bypass the pools).
+# Destroying the device frees it. StatefulModule warns once when it sees this growth.
+MEMORY_GROWTH_DRIVERS = ("local-task",)
+MEMORY_GROWTH_ENV = "POCKJAX_IREE_GROWTH_WARN_MB"
+MEMORY_GROWTH_DEFAULT_MB = 2048
+
+
+class MemoryGrowthWarning(ResourceWarning):
+    """The process kept growing while an IREE step ran (see ``MEMORY_GROWTH_DRIVERS``)."""
+
+
+def _growth_warn_bytes() -> int:
+    raw = os.environ.get(MEMORY_GROWTH_ENV, "")
+    try:
+        mb = float(raw) if raw.strip() else MEMORY_GROWTH_DEFAULT_MB
+    except ValueError as e:
+        raise ModuleError(f"{MEMORY_GROWTH_ENV}={raw!r} is not a number of MiB (0 turns the check off)") from e
+    return max(0, int(mb * 2**20))
+
+
+def process_rss_bytes() -> int | None:
+    """Resident set size of this process in bytes (``None`` where ``/proc`` is missing).
+
+    Example:
+      >>> rss = process_rss_bytes()
+      >>> rss is None or rss > 0
+      True
+    """
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
 class StatefulModule:
     """A compiled step whose state inputs stay on the device between calls.
 
@@ -580,10 +626,17 @@ class StatefulModule:
     """
 
     def __init__(self, session, metadata: ModuleMetadata):
+        # _state first: attributes are released in this order, buffer views before their session.
+        self._state: dict[int, Any] = {}
         self.session = session
         self.metadata = metadata
-        self._state: dict[int, Any] = {}
         self.steps_run = 0
+        #: Growth of the process (bytes) since the first step after which a
+        #: :class:`MemoryGrowthWarning` is issued once, on ``local-task``; 0 turns
+        #: the check off. Default from ``POCKJAX_IREE_GROWTH_WARN_MB``, else 2048 MiB.
+        self.growth_warn_bytes = _growth_warn_bytes()
+        self._rss_after_first_step: int | None = None
+        self._growth_warned = False
         self._in_module = metadata.state_storage == "parameters"
         if self._in_module and not isinstance(session, DeviceSession):
             raise ModuleError("modules that keep state in parameter-backed globals run in-process only")
@@ -672,6 +725,31 @@ class StatefulModule:
                 "call set_state(...) or load_weights(path) first"
             )
 
+    def _note_step_done(self) -> None:
+        self.steps_run += 1
+        if not self.growth_warn_bytes or self._growth_warned:
+            return
+        if getattr(self.session, "driver", None) not in MEMORY_GROWTH_DRIVERS:
+            return
+        rss = process_rss_bytes()
+        if rss is None:
+            return
+        if self._rss_after_first_step is None:
+            self._rss_after_first_step = rss
+        elif rss - self._rss_after_first_step > self.growth_warn_bytes:
+            self._growth_warned = True
+            grown = (rss - self._rss_after_first_step) / 2**20
+            warnings.warn(
+                f"the process grew by {grown:.0f} MiB over {self.steps_run - 1} steps of this IREE module on "
+                f"{self.session.driver!r}. IREE 3.13's local-task device does not give back transient "
+                "allocations larger than its 64 MiB pool slab, so a step whose activations exceed that grows "
+                "the process every step. Keep the batch small enough, run on 'local-sync', or save_weights(), "
+                f"reload the module and load_weights() every few hundred MiB (set {MEMORY_GROWTH_ENV}=0 to "
+                "silence this check)",
+                MemoryGrowthWarning,
+                stacklevel=3,
+            )
+
     # -- running -------------------------------------------------------------
 
     def step(self, *batch, **named_batch) -> list[np.ndarray]:
@@ -700,7 +778,7 @@ class StatefulModule:
             args[i] = self.session.put(_check_array(meta.inputs[i], v, "input"))
         if self._in_module:
             outs = self.session.invoke([args[i] for i in bidx])
-            self.steps_run += 1
+            self._note_step_done()
             return [self.session.get(o, meta.outputs[j].dtype) for o, j in zip(outs, meta.aux_outputs)]
         for i in meta.state_inputs:
             args[i] = self._state[i]
@@ -716,7 +794,7 @@ class StatefulModule:
                 self._state[spec.state_index] = o
             else:
                 aux.append(self.session.get(o, spec.dtype))
-        self.steps_run += 1
+        self._note_step_done()
         return aux
 
     def __call__(self, *batch, **named_batch):
