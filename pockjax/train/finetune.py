@@ -43,6 +43,7 @@ import optax
 import pockjax
 from pockjax.data import Batcher, DataError, evaluate_model, load_alpaca_jsonl, train_eval_split
 from pockjax.models import llama
+from pockjax.runtime.module import process_rss_bytes
 from pockjax.train.schemes import llama_scheme, load_scheme_file, save_scheme_file
 from pockjax.train.steps import answer_train_step
 
@@ -158,11 +159,7 @@ def make_optimizer(name: str, lr: float | None = None) -> optax.GradientTransfor
 
 def rss_bytes() -> int:
     """Resident set size of this process now (0 if unknown)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
+    return process_rss_bytes() or 0
 
 
 def peak_rss_bytes() -> int:
