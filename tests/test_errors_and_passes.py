@@ -265,3 +265,30 @@ def test_traces_once_per_signature():
     bigger = (jnp.ones((7, batch[0].shape[1])), jnp.ones((7, batch[1].shape[1])))
     compiled(params, opt_state, bigger)
     assert len(calls) == 2
+
+
+def test_xla_cpu_options_are_applied_and_can_be_dropped():
+    model, tx, params, opt_state, batch = _setup(Transformer())
+    step = make_step(model, tx)
+    default = pockjax.compile(step).lower(params, opt_state, batch)
+    assert default.executable.options == pockjax.compiler.XLA_CPU_OPTIONS
+    hlo = default.executable.compiled.as_text()
+    assert "dot(" in hlo and "__ynn_fusion" not in hlo
+    plain = pockjax.compile(step, xla_options={"xla_cpu_experimental_ynn_fusion_type": None})
+    low = plain.lower(params, opt_state, batch)
+    assert low.executable.options == {}
+    assert "__ynn_fusion" in low.executable.compiled.as_text()
+    # same numbers either way
+    fresh = lambda: jax.tree.map(jnp.copy, (params, opt_state))  # the step donates its state
+    a = pockjax.compile(step)(*fresh(), batch)[-1]
+    b = plain(*fresh(), batch)[-1]
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+def test_bad_xla_option_is_a_clear_error():
+    model, tx, params, opt_state, batch = _setup()
+    step = pockjax.compile(make_step(model, tx), xla_options={"xla_cpu_no_such_option": True})
+    with pytest.raises(pockjax.BackendError, match="xla_cpu_no_such_option.*xla_options"):
+        step(params, opt_state, batch)
+    with pytest.raises(pockjax.BackendError, match="xla_options apply to the in-process XLA step"):
+        pockjax.compile(make_step(model, tx), target="cpu", xla_options={"a": 1})
