@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     from pockjax.bench.common import BenchConfig, default_seq, make_data
     from pockjax.models import llama
     from pockjax.train.schemes import DEFAULT_BLOCKS, llama_scheme
-    from pockjax.train.steps import answer_train_step, lm_train_step
+    from pockjax.train.steps import ANSWER_STEP_XLA_OPTIONS, answer_train_step, lm_train_step
 
     options = {}
     for kv in args.target_option:
@@ -182,11 +182,13 @@ def main(argv=None) -> int:
         batch = ({k: jnp.asarray(v) for k, v in data["batches"][0].items()},)
         seq, window = data["seq"], data["window"]
         train_step = answer_train_step(graphdef, tx, window)
+        xla_options = ANSWER_STEP_XLA_OPTIONS  # as pockjax finetune compiles it
     else:
         tokens = jax.random.randint(jax.random.key(0), shape, 0, model.config.vocab)
         batch = (tokens, tokens, jnp.ones(shape, jnp.float32))
         window = seq
         train_step = lm_train_step(graphdef, tx)
+        xla_options = None
     blocks = args.blocks or min(DEFAULT_BLOCKS, model.config.n_layers)
     rows = []
     for name in schemes:
@@ -199,6 +201,7 @@ def main(argv=None) -> int:
             step = pockjax.compile(
                 train_step, scheme=scheme, target=None if backend == "xla" else backend,
                 target_options=None if backend == "xla" else options,
+                xla_options=xla_options if backend == "xla" else None,
             )
             p = jax.tree.map(jnp.copy, params)
             s = pockjax.init_opt_state(tx, p, scheme)

@@ -202,33 +202,24 @@ class IreeStepExecutable:
         return self.exe(*flat_args)
 
 
-#: XLA compiler options pockjax compiles a step with on the CPU platform
-#: (``pockjax.compile(xla_options=...)`` adds to or overrides them; a value of
-#: ``None`` drops one). No YNNPACK dot fusions: with them off, the attention's
-#: batched matmuls run on XLA's own kernels, about twice as fast on the LLaMA
-#: attention shapes, and the SmolLM2 train step measured 2-6% faster (in one
-#: process, alternating steps; see docs/benchmarks.md).
-XLA_CPU_OPTIONS: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": ""}
-
-
 def xla_compile_options(platform: str, xla_options: dict | None = None) -> dict:
-    """The XLA compiler options for a step on ``platform`` (``"cpu"``, ``"gpu"``...).
+    """The XLA compiler options that apply to a step compiled on ``platform``.
+
+    ``xla_cpu_*`` options are dropped off the CPU platform (so one options dict
+    serves CPU and GPU runs), and so are options whose value is ``None``.
 
     Example:
-      >>> xla_compile_options("cpu") == XLA_CPU_OPTIONS
-      True
-      >>> xla_compile_options("cpu", {"xla_cpu_experimental_ynn_fusion_type": None})
-      {}
-      >>> xla_compile_options("gpu")
+      >>> opts = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_gpu_autotune_level": None}
+      >>> xla_compile_options("cpu", opts)
+      {'xla_cpu_experimental_ynn_fusion_type': ''}
+      >>> xla_compile_options("gpu", opts)
       {}
     """
-    options = dict(XLA_CPU_OPTIONS) if platform == "cpu" else {}
-    for key, value in (xla_options or {}).items():
-        if value is None:
-            options.pop(key, None)
-        else:
-            options[key] = value
-    return options
+    return {
+        key: value
+        for key, value in (xla_options or {}).items()
+        if value is not None and (platform == "cpu" or not key.startswith("xla_cpu_"))
+    }
 
 
 class XlaExecutable:
@@ -509,10 +500,9 @@ def compile(
         ``"cuda"``, ``"dsp"``) compiles ahead of time with IREE.
       target_options: IREE target options (``cpu=``, ``arch=``, ``features=``...).
       donate: donate parameters and optimizer state buffers to the step (XLA).
-      xla_options: XLA compiler options for the in-process step, added to
-        :data:`XLA_CPU_OPTIONS` on the CPU platform (a value of ``None``
-        removes a default), e.g. ``{"xla_cpu_experimental_ynn_fusion_type": None}``
-        to compile with XLA's own defaults.
+      xla_options: XLA compiler options for the in-process step (see
+        :func:`xla_compile_options`), e.g.
+        :data:`pockjax.train.steps.ANSWER_STEP_XLA_OPTIONS`.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, pockjax

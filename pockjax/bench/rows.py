@@ -335,7 +335,7 @@ def pockjax_row(job: dict) -> dict:
 
     import pockjax
     from pockjax.models import llama
-    from pockjax.train.steps import answer_train_step, lm_train_step
+    from pockjax.train.steps import ANSWER_STEP_XLA_OPTIONS, answer_train_step, lm_train_step
 
     cfg = BenchConfig.from_dict(job["config"])
     row = ROWS[job["row"]]
@@ -347,6 +347,7 @@ def pockjax_row(job: dict) -> dict:
     tx = optax.adamw(row_lr(job["kind"], cfg), b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
     window = int(job["window"])
 
+    xla_options = None
     if row.options.get("seqloss"):
         seq_step = lm_train_step(graphdef, tx)
 
@@ -354,8 +355,11 @@ def pockjax_row(job: dict) -> dict:
             return seq_step(p, opt_state, b["tokens"], b["targets"], b["loss_mask"])
     else:
         train_step = answer_train_step(graphdef, tx, window)
+        if row.options.get("target") is None:
+            xla_options = ANSWER_STEP_XLA_OPTIONS  # as pockjax finetune compiles it
 
-    f = pockjax.compile(train_step, scheme=scheme, target=row.options.get("target"))
+    f = pockjax.compile(train_step, scheme=scheme, target=row.options.get("target"),
+                        xla_options=xla_options)
     opt_state = pockjax.init_opt_state(tx, params, scheme)
     batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in _load_batches(job)]
     tc = time.perf_counter()

@@ -45,7 +45,7 @@ from pockjax.data import Batcher, DataError, evaluate_model, load_alpaca_jsonl, 
 from pockjax.models import llama
 from pockjax.runtime.module import process_rss_bytes
 from pockjax.train.schemes import llama_scheme, load_scheme_file, save_scheme_file
-from pockjax.train.steps import answer_train_step
+from pockjax.train.steps import ANSWER_STEP_XLA_OPTIONS, answer_train_step
 
 __all__ = ["FinetuneConfig", "FinetuneError", "FinetuneResult", "finetune", "make_optimizer",
            "write_output", "OUTPUT_FILES"]
@@ -404,7 +404,8 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     # -- 3. the train step ---------------------------------------------------------------
     window = batcher.answer_window
 
-    step_fn = pockjax.compile(answer_train_step(graphdef, tx, window), scheme=scheme)
+    step_fn = pockjax.compile(answer_train_step(graphdef, tx, window), scheme=scheme,
+                              xla_options=ANSWER_STEP_XLA_OPTIONS)
 
     def batch_at(i):
         return {k: jnp.asarray(v) for k, v in batcher.batch(i).items()}

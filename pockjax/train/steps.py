@@ -7,6 +7,16 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+#: XLA compiler options for :func:`answer_train_step` (``pockjax.compile(...,
+#: xla_options=ANSWER_STEP_XLA_OPTIONS)``, as ``pockjax finetune`` and the
+#: benchmarks compile it; applied on the CPU platform only). No YNNPACK dot
+#: fusions: XLA's own kernels run the heads-major attention products about
+#: twice as fast and the answer-window output projection as fast, and the
+#: SmolLM2 step measured 2-6% faster (docs/benchmarks.md). Not for steps that
+#: project every position onto the vocabulary: on a 512 x 576 x 49152 product
+#: XLA's kernel is 2.4x slower than YNNPACK's.
+ANSWER_STEP_XLA_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
 
 def lm_train_step(graphdef: Any, tx: Any) -> Callable:
     """``step(params, opt_state, tokens, targets, loss_mask) -> (params, opt_state, loss)``.
