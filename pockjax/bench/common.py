@@ -15,6 +15,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from pockjax.runtime.module import process_rss_bytes
+
 __all__ = ["BenchConfig", "TASK", "make_data", "timed_steps", "proc_rss", "proc_peak_rss",
            "reset_peak_rss", "trim_heap", "torch_name"]
 
@@ -183,7 +185,7 @@ def _status(field: str) -> int:
 
 def proc_rss() -> int:
     """This process's resident set size (bytes; 0 where /proc is missing)."""
-    return _status("VmRSS")
+    return process_rss_bytes() or 0
 
 
 def proc_peak_rss() -> int:
