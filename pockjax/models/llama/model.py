@@ -106,6 +106,17 @@ def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float
     return jnp.cos(emb), jnp.sin(emb)
 
 
+def _rope_table(n: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    # rope_cos_sin of positions 0 .. n-1, evaluated now even under a trace, so
+    # that a jitted step holds the table as a constant. Computed from traced
+    # positions instead, XLA's CPU backend fuses the cosine and sine into every
+    # rotary embedding that reads them and evaluates them once per element of
+    # each head (the query rotation of a SmolLM2 layer took 2.0 ms instead of
+    # 0.56 ms, 30 layers and their backward every step).
+    with jax.ensure_compile_time_eval():
+        return rope_cos_sin(jnp.arange(n)[None], head_dim, theta)
+
+
 def _rotate_half(x: jax.Array) -> jax.Array:
     half = x.shape[-1] // 2
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
@@ -349,11 +360,14 @@ class Llama(nnx.Module):
         else:
             key_valid = mask.astype(bool)
         if positions is None:
-            if mask is None:
-                positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-            else:
+            # Positions are 0 .. t-1, or (with a mask) a count below t: read the
+            # rotary tables from a constant of t rows instead of computing them.
+            cos, sin = _rope_table(t, self.config.head_dim_, self.config.rope_theta)
+            if mask is not None:
                 positions = jnp.maximum(jnp.cumsum(key_valid, axis=-1) - 1, 0)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim_, self.config.rope_theta)
+                cos, sin = cos[0][positions], sin[0][positions]
+        else:
+            cos, sin = rope_cos_sin(positions, self.config.head_dim_, self.config.rope_theta)
         attn_mask = causal_mask(jnp.arange(t), key_valid)
         x = self.embed(tokens)
         x, _ = self._layers(x, cos, sin, attn_mask, None, None)
