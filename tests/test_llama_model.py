@@ -162,6 +162,18 @@ def test_left_padding_with_mask_matches_unpadded(model):
     np.testing.assert_allclose(_fwd(model, padded, mask)[:, 3:], _fwd(model, tokens), atol=1e-5)
 
 
+def test_default_positions_read_a_constant_rotary_table(model):
+    # Computed from traced positions, XLA fuses cos/sin into every rotary
+    # embedding and evaluates them per element of each head.
+    tokens = jnp.array([[3, 9, 27, 81, 2, 6]])
+    prims = {e.primitive.name for e in jax.make_jaxpr(lambda t: model(t))(tokens).jaxpr.eqns}
+    assert not {"sin", "cos"} & prims, prims
+    masked = jax.make_jaxpr(lambda t, m: model(t, mask=m))(tokens, jnp.ones_like(tokens))
+    assert not {"sin", "cos"} & {e.primitive.name for e in masked.jaxpr.eqns}
+    explicit = model(tokens, positions=jnp.arange(6)[None])  # computes the table from the positions
+    np.testing.assert_allclose(model(tokens), explicit, atol=1e-5)
+
+
 def test_split_apply_and_loss_gradients(model):
     graphdef, params = llama.split(model)
     tokens = jnp.array([[1, 2, 3, 4, 5]])
