@@ -38,6 +38,43 @@ def test_iree_target_matches_xla(target):
     np.testing.assert_array_equal(np.asarray(p2["layers"]["0"]["mlp"]["w2"]["kernel"]), params["layers"]["0"]["mlp"]["w2"]["kernel"])
 
 
+def test_iree_step_uploads_frozen_weights_once():
+    """A frozen weight the step forwards unchanged is the same jax.Array next call: not uploaded again.
+
+    A different array (or a NumPy array, which can change in place) is uploaded, and the step uses it.
+    """
+    tx = optax.adamw(1e-2)
+    params = MODEL.init(jax.random.key(0))
+    batches = [MODEL.batch(jax.random.key(i)) for i in range(3)]
+    step = pockjax.compile(make_step(MODEL, tx), scheme=SCHEME, target="cpu")
+    xla = pockjax.compile(make_step(MODEL, tx), scheme=SCHEME)
+    p, s, _ = step(params, tx.init(params), batches[0])
+    exe = step.lower(params, tx.init(params), batches[0]).executable.exe
+    n_batch = len(jax.tree.leaves(batches[0]))
+    uploads = []
+    put = exe.session.put
+    exe.session.put = lambda a: (uploads.append(np.shape(a)), put(a))[1]
+    p, s, _ = step(p, s, batches[1])
+    assert len(uploads) == n_batch  # trainable state came back as device buffers, frozen weights are cached
+    # A new array for one frozen weight is uploaded and used, as it is on the XLA step.
+    w2 = jnp.asarray(p["layers"]["0"]["mlp"]["w2"]["kernel"]) * 2.0
+    p_new = jax.tree.map(lambda x: x, p)
+    p_new["layers"]["0"]["mlp"]["w2"]["kernel"] = w2
+    ref = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), (p_new, s))
+    uploads.clear()
+    _, _, got = step(p_new, s, batches[2])
+    assert len(uploads) == n_batch + 1
+    _, _, want = xla(*ref, batches[2])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4)
+    # A NumPy array is uploaded on every call: the caller may have written into it.
+    w2_np = np.array(w2)
+    p_new["layers"]["0"]["mlp"]["w2"]["kernel"] = w2_np
+    for _ in range(2):
+        uploads.clear()
+        step(p_new, s, batches[2])
+        assert len(uploads) == n_batch + 1
+
+
 def test_export_and_continue_in_runtime(tmp_path):
     from pockjax import runtime
 

@@ -319,6 +319,10 @@ def test_cpu_data_tiling_option_and_auto_threshold():
     assert "dot-operands-behind-barrier" in c_big.workarounds
     assert "--iree-opt-data-tiling=true" not in c_small.metadata.target["flags"]
     assert "dot-operands-behind-barrier" not in c_small.workarounds
+    # The caller's extra flags stay last, so they can override what "auto" adds.
+    t = targets.resolve("cpu", extra_flags=["--iree-llvmcpu-enable-ukernels=none"])
+    flags = piree._resolve_auto_data_tiling(t, mm, big).flags
+    assert flags[-1] == "--iree-llvmcpu-enable-ukernels=none" and "--iree-opt-data-tiling=true" in flags
     a = np.random.default_rng(0).normal(size=(n, n)).astype(np.float32)
     exe = piree.IreeExecutable(c_big)
     (got,) = exe(a, a.T.copy())

@@ -473,9 +473,9 @@ class IreeExecutable(StatefulModule):
     """An IREE-compiled step bound to a device, state kept on the device.
 
     Call it like the flat JAX function (``exe(*flat_args) -> flat_outs``):
-    state inputs are uploaded on the first call (or when their host arrays
-    change identity), then the state outputs stay on the device and are fed
-    back. Use :meth:`step` (batch inputs only; returns aux outputs) for the
+    state inputs are uploaded on the first call (and again when given a
+    different host array), then the state outputs stay on the device and are
+    fed back. Use :meth:`step` (batch inputs only; returns aux outputs) for the
     fast path, and :meth:`get_state` / :meth:`set_state` to read or write
     weights.
     """
@@ -490,6 +490,10 @@ class IreeExecutable(StatefulModule):
             session = _rtmod.DeviceSession(compiled.vmfb, meta.target["driver"], function=meta.function)
         super().__init__(session, meta)
         self.compiled = compiled
+        # State index -> (the jax.Array last uploaded for it, its device buffer). JAX arrays are
+        # immutable, so while the device state is still that buffer a call given the same array
+        # (a frozen weight, forwarded unchanged by every step) skips the upload.
+        self._uploaded: dict[int, tuple[Any, Any]] = {}
 
     def __call__(self, *flat_args):
         """Flat call with the JAX function's signature: ``exe(*flat_args) -> flat_outs``.
@@ -499,7 +503,12 @@ class IreeExecutable(StatefulModule):
         call's state inputs costs no transfer, so a loop
         ``params, opt_state, loss = step(params, opt_state, batch)`` keeps the
         weights on the device like the XLA step does. Host arrays given as state
-        are uploaded. Aux outputs (the loss) come back as NumPy arrays.
+        are uploaded, except a ``jax.Array`` that is the very object uploaded for
+        that input by the previous call while the device still holds that upload
+        (a frozen weight, which the step forwards unchanged): JAX arrays are
+        immutable, so it is on the device already. NumPy arrays are uploaded on
+        every call, as they can change in place. Aux outputs (the loss) come back
+        as NumPy arrays.
         """
         meta = self.metadata
         if len(flat_args) != len(meta.inputs):
@@ -508,8 +517,15 @@ class IreeExecutable(StatefulModule):
             a = flat_args[i]
             if isinstance(a, _rtmod.DeviceBuffer) and a.session is self.session:
                 self._state[i] = a.value
+                continue
+            last = self._uploaded.get(i)
+            if last is not None and last[0] is a and self._state.get(i) is last[1]:
+                continue  # the same immutable array as before, and its upload is still the device state
+            self._state[i] = self.session.put(_rtmod._check_array(meta.inputs[i], np.asarray(a), "state"))
+            if isinstance(a, jax.Array):
+                self._uploaded[i] = (a, self._state[i])
             else:
-                self._state[i] = self.session.put(_rtmod._check_array(meta.inputs[i], np.asarray(a), "state"))
+                self._uploaded.pop(i, None)
         aux = iter(self.step(*[np.asarray(flat_args[i]) for i in meta.batch_inputs]))
         outs = []
         for spec in meta.outputs:
@@ -662,7 +678,12 @@ def _sub_jaxprs(eqn):
 def _resolve_auto_data_tiling(t: _targets.Target, fun: Callable, flat_avals: Sequence[Any]) -> _targets.Target:
     on = largest_matmul_macs(fun, flat_avals) >= _targets.DATA_TILING_MIN_MACS
     t = dataclasses.replace(t, options={**t.options, "data_tiling": on})
-    return _targets.with_flags(t, *_targets.DATA_TILING_FLAGS) if on else t
+    if not on:
+        return t
+    # Before the caller's extra_flags, which come last so that they can override these.
+    extra = tuple(t.options.get("extra_flags", ()))
+    head = t.flags[: len(t.flags) - len(extra)] if extra and t.flags[len(t.flags) - len(extra):] == extra else t.flags
+    return dataclasses.replace(t, flags=tuple(head) + _targets.DATA_TILING_FLAGS + extra)
 
 
 def _runs_here(t: _targets.Target) -> bool:
