@@ -316,9 +316,11 @@ def test_cpu_data_tiling_option_and_auto_threshold():
     c_big = piree.compile_flat(mm, big, "cpu", bind=False)
     c_small = piree.compile_flat(mm, small, "cpu", bind=False)
     assert "--iree-opt-data-tiling=true" in c_big.metadata.target["flags"]
-    assert "dot-operands-behind-barrier" in c_big.workarounds
+    assert "llvmcpu-no-multi-use-fusion" in c_big.workarounds
+    assert "--iree-dispatch-creation-fuse-multi-use=false" in c_big.metadata.target["flags"]
+    assert "dot-operands-behind-barrier" not in c_big.workarounds  # an alternative, applied only when named
     assert "--iree-opt-data-tiling=true" not in c_small.metadata.target["flags"]
-    assert "dot-operands-behind-barrier" not in c_small.workarounds
+    assert "llvmcpu-no-multi-use-fusion" not in c_small.workarounds
     # The caller's extra flags stay last, so they can override what "auto" adds.
     t = targets.resolve("cpu", extra_flags=["--iree-llvmcpu-enable-ukernels=none"])
     flags = piree._resolve_auto_data_tiling(t, mm, big).flags
@@ -329,7 +331,7 @@ def test_cpu_data_tiling_option_and_auto_threshold():
     np.testing.assert_allclose(got, a @ a.T, rtol=1e-4, atol=1e-3)
 
 
-def test_cpu_data_tiling_full_step_needs_dot_barrier_workaround(monkeypatch):
+def test_cpu_data_tiling_full_step_needs_no_multi_use_fusion_workaround(monkeypatch):
     """Data tiling fuses a transposed gradient's packing into its producer: llvm-cpu refuses it.
 
     The default passes' ``fold_dot_transpose`` computes weight gradients without
@@ -361,11 +363,13 @@ def test_cpu_data_tiling_full_step_needs_dot_barrier_workaround(monkeypatch):
         return [step, p, pockjax.init_opt_state(tx, p, scheme)]
 
     with monkeypatch.context() as m:
-        m.delitem(piree.WORKAROUNDS, "dot-operands-behind-barrier")
+        m.delitem(piree.WORKAROUNDS, "llvmcpu-no-multi-use-fusion")
         step, p, s = compiled("cpu")
         with pytest.raises(piree.IreeCompileError, match="large vector sizes"):
             step.lower(p, s, *batch)
     runs = [compiled("cpu"), compiled(None)]
+    compiled_module = runs[0][0].lower(runs[0][1], runs[0][2], *batch).executable.exe.compiled
+    assert "llvmcpu-no-multi-use-fusion" in compiled_module.workarounds
     for _ in range(3):
         losses = []
         for r in runs:
@@ -414,10 +418,11 @@ def test_dot_barrier_fences_computed_operands_only():
     assert barriers(lambda x, w: x.T @ jnp.tanh(x)) == 2  # a 8-long contraction: its result fenced too
 
 
-def test_cpu_data_tiling_short_weight_gradient_needs_result_barrier(monkeypatch):
-    """A weight gradient over 64 tokens with the optimizer update fused into its dispatch: with data
-    tiling llvm-cpu needs 145 KiB of stack ('exceeded stack allocation limit'). The workaround
-    fences the short matmul's result; the values match XLA's."""
+def test_cpu_data_tiling_short_weight_gradient_needs_no_multi_use_fusion(monkeypatch):
+    """A weight gradient over 64 tokens with the AdamW moments fused into its dispatch: with data
+    tiling llvm-cpu needs 145 KiB of stack ('exceeded stack allocation limit'). With multi-use
+    fusion off (the default workaround) it compiles, and so it does with the alternative that fences
+    the short matmul's result; the values match XLA's."""
     import jax
     import jax.numpy as jnp
     from pockjax.backends import iree_rewrites
@@ -428,13 +433,18 @@ def test_cpu_data_tiling_short_weight_gradient_needs_result_barrier(monkeypatch)
 
     shapes = [(576, 1536), (576, 1536), (64, 576), (64, 1536)]
     avals = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    with pytest.raises(piree.IreeCompileError, match="exceeded stack allocation limit"):
+        piree.compile_flat(step, avals, "cpu", {"data_tiling": True}, bind=False,
+                           workarounds=["llvmcpu-no-aggressive-fusion"])
     with monkeypatch.context() as m:
         m.setattr(iree_rewrites, "SHORT_CONTRACTION", 0)
         with pytest.raises(piree.IreeCompileError, match="exceeded stack allocation limit"):
-            piree.compile_flat(step, avals, "cpu", {"data_tiling": True}, bind=False)
-    exe = piree.compile_flat(step, avals, "cpu", {"data_tiling": True})
+            piree.compile_flat(step, avals, "cpu", {"data_tiling": True}, bind=False,
+                               workarounds=["llvmcpu-no-aggressive-fusion", "dot-operands-behind-barrier"])
     rng = np.random.default_rng(3)
     args = [rng.normal(size=s).astype(np.float32) for s in shapes]
     want = jax.jit(step)(*args)
-    for got, ref in zip(exe(*args), want):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-5)
+    for names in ("default", ["llvmcpu-no-aggressive-fusion", "dot-operands-behind-barrier"]):
+        exe = piree.compile_flat(step, avals, "cpu", {"data_tiling": True}, workarounds=names)
+        for got, ref in zip(exe(*args), want):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-5)

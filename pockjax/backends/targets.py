@@ -107,7 +107,7 @@ class Target:
 # layout (one copy per step, also for weights since they change every step) and run by
 # the mmt4d ukernel: the layer matmuls reach XLA's speed in every operand layout
 # (0.8-1.2x, packing included) and the LM-head gradient matmuls 1.1-2.3x. Needs the
-# ``dot-operands-behind-barrier`` workaround (pockjax.backends.iree.WORKAROUNDS).
+# ``llvmcpu-no-multi-use-fusion`` workaround (pockjax.backends.iree.WORKAROUNDS).
 # On small steps the packing dispatches cost more than they save (the tiny test LLaMA,
 # width 64: 3.9 ms without against 8.9 ms with, XLA 3.3 ms), so the ``cpu`` default is
 # ``"auto"``: pockjax.backends.iree.compile_flat turns data tiling on when the step has a
