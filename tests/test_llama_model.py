@@ -174,6 +174,54 @@ def test_default_positions_read_a_constant_rotary_table(model):
     np.testing.assert_allclose(model(tokens), explicit, atol=1e-5)
 
 
+def test_hidden_states_at_rows_equal_the_full_rows_gathered(model):
+    tokens = jax.random.randint(jax.random.key(2), (3, 9), 0, 128)
+    rows = jnp.array([[0, 4, 8], [2, 2, 7], [8, 8, 8]])  # repeated and last slots too
+    full = jax.jit(lambda m, t: m.hidden_states(t))(model, tokens)
+    expected = jnp.take_along_axis(full, rows[:, :, None], axis=1)
+    got = nnx.jit(lambda m, t, r: m.hidden_states(t, rows=r))(model, tokens, rows)
+    assert got.shape == (3, 3, 64)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    mask = jnp.array([[1] * 9, [1] * 8 + [0], [0, 0] + [1] * 7])
+    masked = nnx.jit(lambda m, t, k, r: m.hidden_states(t, mask=k, rows=r))(model, tokens, mask, rows)
+    full_masked = nnx.jit(lambda m, t, k: m.hidden_states(t, mask=k))(model, tokens, mask)
+    np.testing.assert_allclose(masked, jnp.take_along_axis(full_masked, rows[:, :, None], axis=1), atol=1e-5)
+    scanned = nnx.jit(lambda m, t, r: m.hidden_states(t, rows=r))(stack_layers(model), tokens, rows)
+    np.testing.assert_allclose(scanned, expected, atol=1e-5)
+
+
+def test_answer_loss_runs_the_last_block_on_the_window_only(model):
+    # Same loss and gradients as gathering the window from every row's hidden
+    # state, with the last block's MLP (and queries) on 2 x 3 rows, not 2 x 12.
+    graphdef, params = llama.split(model)
+    tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, 128)
+    batch = {"tokens": tokens, "targets": jnp.roll(tokens, -1, axis=1),
+             "loss_mask": jnp.zeros((2, 12)).at[0, 5:8].set(1).at[1, 9:12].set(1),
+             "loss_start": jnp.array([5, 9])}
+
+    def gathered(p):
+        m = llama.merge(graphdef, p)
+        idx = jnp.minimum(batch["loss_start"][:, None] + jnp.arange(3)[None], 11)
+        h = jnp.take_along_axis(m.hidden_states(tokens), idx[:, :, None], axis=1)
+        return llama.next_token_loss(m.logits_from_hidden(h),
+                                     jnp.take_along_axis(batch["targets"], idx, axis=1),
+                                     jnp.take_along_axis(batch["loss_mask"], idx, axis=1))
+
+    def windowed(p):
+        return llama.answer_loss(llama.merge(graphdef, p), batch, 3)
+
+    v_ref, g_ref = jax.jit(jax.value_and_grad(gathered))(params)
+    v, g = jax.jit(jax.value_and_grad(windowed))(params)
+    np.testing.assert_allclose(v, v_ref, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g, g_ref)
+    last_w1 = params["layers"][1]["mlp"]["w1"]["kernel"]
+    dots = [e for e in jax.make_jaxpr(windowed)(params).jaxpr.eqns if e.primitive.name == "dot_general"
+            and any(getattr(v, "aval", None) is not None and v.aval.shape == last_w1.shape for v in e.invars)]
+    rows_of = sorted(int(np.prod(e.invars[0].aval.shape[:-1])) for e in dots)
+    # w1 and w3 (same shape) of layer 0 on every row, of the last layer on the window
+    assert rows_of == [2 * 3, 2 * 3, 2 * 12, 2 * 12], rows_of
+
+
 def test_split_apply_and_loss_gradients(model):
     graphdef, params = llama.split(model)
     tokens = jnp.array([[1, 2, 3, 4, 5]])

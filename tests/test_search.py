@@ -76,11 +76,11 @@ def test_cost_model_matches_exact_graphs_with_depth_coupling(sg, cm):
     pair = sg.evaluate([a, b]).flops - f0
     alone = (sg.evaluate([a]).flops - f0) + (sg.evaluate([b]).flops - f0)
     assert pair < 0.9 * alone
-    assert abs(pair - (cm.depth(a) + 2 * cm.weight_flops["wq"])) / pair < 1e-3
+    assert abs(pair - (cm.depth(a) + cm.weight(a) + cm.weight(b))) / pair < 1e-3
     assert cm.depth(Unit(0, "wq")) > cm.depth(Unit(0, "w2")) > cm.depth(Unit(1, "wq"))
     # siblings of one block: wq and wk each add their own branch off the attention scores
     both = sg.evaluate([Unit(0, "wq"), Unit(0, "wk")]).flops
-    assert cm.pair_extra[("wq", "wk")] > 0 and cm.flops([Unit(0, "wq"), Unit(0, "wk")]) == both
+    assert cm.extra(0, "wq", "wk") > 0 and cm.flops([Unit(0, "wq"), Unit(0, "wk")]) == both
 
 
 def test_proxy_ranks_a_unit_that_matters_above_one_that_does_not():

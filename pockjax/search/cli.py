@@ -320,7 +320,7 @@ def run_search(cfg: SearchConfig, *, log: Callable[[str], None] | None = None, m
         rows.append({"unit": u.name, "path": u.path, "block": u.block, "kind": u.kind,
                      "gain": contrib.gain[u], "abs_grad": contrib.abs_grad[u], "grad_norm": contrib.grad_norm[u],
                      "params": sg.param_count(u), "flops_alone": cm.flops([u]) - cm.fwd_flops,
-                     "weight_flops": cm.weight_flops[u.kind], "depth_flops": cm.depth(u),
+                     "weight_flops": cm.weight(u), "depth_flops": cm.depth(u),
                      "memory_alone": cm.memory([u]), "chosen": u in chosen, "reference": u in set(ref_units)})
     rows.sort(key=lambda r: -r["gain"])
     by_kind = {}

@@ -3,18 +3,25 @@
 Training any tensor of block ``i`` makes the backward pass run from the loss
 down to that tensor: the activation gradients of every block above it are
 computed whether or not their weights are trained. So costs are not additive
-over units. For a set ``S`` of units (all blocks alike, as in LLaMA)::
+over units. For a set ``S`` of units (the blocks below the last alike, as in
+LLaMA)::
 
-    flops(S) = F_fwd + max_{u in S} depth(u) + sum_{u in S} W(kind(u))
-    depth(u) = (L - 1 - block(u)) * A + D(kind(u))
+    flops(S) = F_fwd + max_{u in S} depth(u) + sum_{u in S} W(u)
+    depth(u) = D_last(kind(u))                              u in the last block
+             = (L - 2 - block(u)) * A + D_body(kind(u))     any other block
 
 ``F_fwd`` is the step without any backward pass; ``A`` the activation-gradient
-FLOPs of one whole block; ``D(k)`` those from the top of the model down to the
-input of kind ``k`` in the last block (head included); ``W(k)`` the weight
-gradient and optimizer update of one tensor of kind ``k``. Every constant is
-read from the FLOP counts (:func:`pockjax.count_flops`) of the real pruned step
-graph (``sparse_grad`` + ``dce`` of the traced step) for a handful of
-one-tensor schemes: :func:`calibrate`. Peak memory is fitted the same way as
+FLOPs of one whole block; ``D_last(k)`` those from the top of the model down to
+the input of kind ``k`` in the last block (head included), ``D_body(k)`` the
+same down to kind ``k`` of the second-to-last block (the whole last block's
+backward included); ``W(u)`` the weight gradient and optimizer update of one
+tensor. The last block has its own constants because the answer-window loss
+runs its queries and MLP on the window rows only
+(:meth:`pockjax.models.llama.Llama.hidden_states` with ``rows``): there the
+weight gradients of ``wq``, ``wo`` and the MLP see those rows, not all of them.
+Every constant is read from the FLOP counts (:func:`pockjax.count_flops`) of
+the real pruned step graph (``sparse_grad`` + ``dce`` of the traced step) for a
+few dozen small schemes: :func:`calibrate`. Peak memory is fitted the same way as
 ``M0 + M_depth * depth(S)/A + M_param * (bytes of trained tensors)`` against
 the liveness planner (:func:`pockjax.memory.analyze`) on those graphs, and any
 scheme can be measured exactly with :meth:`StepGraph.evaluate`.
@@ -171,12 +178,15 @@ class CostModel:
       n_layers: blocks of the model.
       fwd_flops: ``F_fwd``, the step with nothing trained.
       block_flops: ``A``, activation-gradient FLOPs of one block.
-      depth_flops: ``D(kind)``, activation-gradient FLOPs from the top to a last-block tensor.
-      weight_flops: ``W(kind)``, weight gradient + update FLOPs of one tensor.
+      depth_flops: ``D_last(kind)``, activation-gradient FLOPs from the top to a last-block tensor.
+      weight_flops: ``W(kind)`` of a last-block tensor: weight gradient + update FLOPs.
       param_bytes: bytes of one tensor of each kind.
       mem_coef: ``(M0, M_depth, M_param)`` of the fitted peak-memory model.
       pair_extra: ``{(j, k): FLOPs}``: activation-gradient FLOPs that tensor ``k`` adds
-        to ``j`` of the same block (``D(j) >= D(k)``) when its path branches off ``j``'s.
+        to ``j`` of the same (last) block (``D(j) >= D(k)``) when its path branches off ``j``'s.
+      body_depth_flops, body_weight_flops, body_pair_extra: the same for the
+        blocks below the last (``D_body``, measured on the second-to-last block);
+        ``None`` for a one-block model.
       calibration: ``[(units, exact)]`` the constants were read from.
     """
 
@@ -188,11 +198,31 @@ class CostModel:
     param_bytes: dict
     mem_coef: tuple
     pair_extra: dict = dataclasses.field(default_factory=dict)
+    body_depth_flops: dict | None = None
+    body_weight_flops: dict | None = None
+    body_pair_extra: dict | None = None
     calibration: list = dataclasses.field(default_factory=list, repr=False)
+
+    def _body(self, block: int) -> bool:
+        return block < self.n_layers - 1 and self.body_depth_flops is not None
+
+    def kind_depth(self, block: int, kind: str) -> float:
+        """Activation-gradient FLOPs needed to reach tensor ``kind`` of ``block``."""
+        if self._body(block):
+            return (self.n_layers - 2 - block) * self.block_flops + self.body_depth_flops[kind]
+        return (self.n_layers - 1 - block) * self.block_flops + self.depth_flops[kind]
 
     def depth(self, unit: Unit) -> float:
         """Activation-gradient FLOPs needed to reach ``unit``."""
-        return (self.n_layers - 1 - unit.block) * self.block_flops + self.depth_flops[unit.kind]
+        return self.kind_depth(unit.block, unit.kind)
+
+    def weight(self, unit: Unit) -> float:
+        """Weight-gradient and optimizer-update FLOPs of ``unit``'s tensor."""
+        return (self.body_weight_flops if self._body(unit.block) else self.weight_flops)[unit.kind]
+
+    def extra(self, block: int, j: str, k: str) -> float:
+        """Activation-gradient FLOPs that kind ``k`` adds to kind ``j`` in ``block`` (see ``pair_extra``)."""
+        return (self.body_pair_extra if self._body(block) else self.pair_extra).get((j, k), 0.0)
 
     def set_depth(self, units: Iterable[Unit]) -> float:
         """Activation-gradient FLOPs of a set: all blocks above its deepest block, and in
@@ -202,16 +232,16 @@ class CostModel:
         if not units:
             return 0.0
         d = min(u.block for u in units)
-        kinds = sorted({u.kind for u in units if u.block == d}, key=lambda k: -self.depth_flops[k])
-        total = (self.n_layers - 1 - d) * self.block_flops + self.depth_flops[kinds[0]]
+        kinds = sorted({u.kind for u in units if u.block == d}, key=lambda k: -self.kind_depth(d, k))
+        total = self.kind_depth(d, kinds[0])
         for i, k in enumerate(kinds[1:], 1):
-            total += min(self.pair_extra.get((j, k), 0.0) for j in kinds[:i])
+            total += min(self.extra(d, j, k) for j in kinds[:i])
         return total
 
     def flops(self, units: Iterable[Unit]) -> float:
         """Predicted FLOPs of the pruned step training ``units``."""
         units = list(units)
-        return self.fwd_flops + self.set_depth(units) + sum(self.weight_flops[u.kind] for u in units)
+        return self.fwd_flops + self.set_depth(units) + sum(self.weight(u) for u in units)
 
     def memory(self, units: Iterable[Unit]) -> float:
         """Predicted planner peak (bytes) of the step training ``units``."""
@@ -221,24 +251,30 @@ class CostModel:
 
     def marginal_flops(self, unit: Unit) -> float:
         """FLOPs of ``unit`` on its own (depth included)."""
-        return self.depth(unit) + self.weight_flops[unit.kind]
+        return self.depth(unit) + self.weight(unit)
 
     def to_dict(self) -> dict:
+        def pairs(d):
+            return None if d is None else {f"{j}+{k}": v for (j, k), v in d.items()}
+
         return {"n_layers": self.n_layers, "fwd_flops": self.fwd_flops, "block_flops": self.block_flops,
                 "depth_flops": self.depth_flops, "weight_flops": self.weight_flops,
                 "param_bytes": self.param_bytes, "mem_coef": list(self.mem_coef),
-                "pair_extra": {f"{j}+{k}": v for (j, k), v in self.pair_extra.items()}}
+                "pair_extra": pairs(self.pair_extra), "body_depth_flops": self.body_depth_flops,
+                "body_weight_flops": self.body_weight_flops, "body_pair_extra": pairs(self.body_pair_extra)}
 
 
 def calibrate(sg: StepGraph, *, kinds: Sequence[str] = KINDS, progress: Callable[[str], None] | None = None
               ) -> CostModel:
     """Reads the :class:`CostModel` constants off exact pruned graphs of a few schemes.
 
-    Schemes: nothing trained; each kind alone in the last block; ``wo`` + ``w1``
-    (the update cost per entry); the sibling pairs (``wq``/``wk``/``wv``,
-    ``w1``/``w3``); the first kind in the second-to-last block (the per-block
-    cost); the last block whole; and two spread sets for the memory fit. About
-    ``len(kinds) + 10`` graph evaluations.
+    Schemes: nothing trained; each kind alone in the last block and in the
+    second-to-last; ``wo`` + ``w1`` of the second-to-last block (the update
+    cost per entry); each kind of the last block on top of a tensor of the
+    block below (its exact weight cost); the sibling pairs (``wq``/``wk``/``wv``,
+    ``w1``/``w3``) in both blocks; the first kind three blocks from the top (the
+    per-block cost); and three spread sets for the memory fit. About
+    ``4 * len(kinds) + 14`` graph evaluations.
     """
     L = sg.config.n_layers
     last = L - 1
@@ -252,39 +288,61 @@ def calibrate(sg: StepGraph, *, kinds: Sequence[str] = KINDS, progress: Callable
         return ex
 
     f0 = ev([]).flops
-    # W(k): the weight-gradient matmul (2 * rows * entries; every kernel sees all
-    # batch x seq rows) plus the optimizer update, a fixed count per entry read off
-    # wo + w1 of the last block (w1's path is part of wo's, so the pair adds exactly W(w1)).
     tok = sg.abstract[2]["tokens"].shape
     rows = tok[0] * tok[1]
+    k0 = kinds[0]
+
+    def per_entry_weights(block: int, single: dict) -> dict:
+        # W(k) below the last block: the weight-gradient matmul (2 * rows * entries; every
+        # kernel sees all batch x seq rows) plus the optimizer update, a fixed count per
+        # entry read off wo + w1 (w1's path is part of wo's, so the pair adds exactly W(w1)).
+        per_entry = 2.0 * rows
+        if "wo" in kinds and "w1" in kinds:
+            pair = ev([Unit(block, "wo"), Unit(block, "w1")]).flops
+            per_entry = max(per_entry, (pair - single["wo"]) / sg.param_count(Unit(block, "w1")))
+        return {k: per_entry * sg.param_count(Unit(block, k)) for k in kinds}
+
+    def sibling_extras(block: int, single: dict, depth: dict, weight: dict) -> dict:
+        # sibling branches: q, k, v off the attention, w1 (gate) and w3 (up) off the FFN
+        extra = {}
+        for group in (("wq", "wk", "wv"), ("w1", "w3")):
+            g = [k for k in group if k in kinds]
+            for i, a in enumerate(g):
+                for b in g[i + 1:]:
+                    j, k = (a, b) if depth[a] >= depth[b] else (b, a)
+                    both = ev([Unit(block, j), Unit(block, k)]).flops
+                    extra[(j, k)] = max(0.0, both - single[j] - weight[k])
+        return extra
+
     single = {k: ev([Unit(last, k)]).flops for k in kinds}
-    per_entry = 2.0 * rows
-    if "wo" in kinds and "w1" in kinds:
-        pair = ev([Unit(last, "wo"), Unit(last, "w1")]).flops
-        per_entry = max(per_entry, (pair - single["wo"]) / sg.param_count(Unit(last, "w1")))
-    weight = {k: per_entry * sg.param_count(Unit(last, k)) for k in kinds}
-    depth = {k: single[k] - f0 - weight[k] for k in kinds}
-    # sibling branches: q, k, v off the attention, w1 (gate) and w3 (up) off the FFN
-    extra = {}
-    for group in (("wq", "wk", "wv"), ("w1", "w3")):
-        g = [k for k in group if k in kinds]
-        for i, a in enumerate(g):
-            for b in g[i + 1:]:
-                j, k = (a, b) if depth[a] >= depth[b] else (b, a)
-                both = ev([Unit(last, j), Unit(last, k)]).flops
-                extra[(j, k)] = max(0.0, both - single[j] - weight[k])
+    body_depth = body_weight = body_extra = None
     if L > 1:
-        k0 = kinds[0]
-        block = ev([Unit(last - 1, k0)]).flops - single[k0]
+        prev = last - 1
+        single_prev = {k: ev([Unit(prev, k)]).flops for k in kinds}
+        body_weight = per_entry_weights(prev, single_prev)
+        body_depth = {k: single_prev[k] - f0 - body_weight[k] for k in kinds}
+        # W(k) of the last block, exactly: on top of a tensor of the block below, whose
+        # backward already runs through the whole last block, a last-block tensor adds
+        # only its weight gradient and update (fewer rows for those the window feeds).
+        weight = {k: ev([Unit(prev, k0), Unit(last, k)]).flops - single_prev[k0] for k in kinds}
+        depth = {k: single[k] - f0 - weight[k] for k in kinds}
+        body_extra = sibling_extras(prev, single_prev, body_depth, body_weight)
+        if L > 2:
+            block = ev([Unit(prev - 1, k0)]).flops - single_prev[k0]
+        else:  # no third block: one block's backward, as the step from the last block to the one below
+            block = body_depth[k0] - depth[k0]
     else:
+        weight = per_entry_weights(last, single)
+        depth = {k: single[k] - f0 - weight[k] for k in kinds}
         block = max(depth.values())
+    extra = sibling_extras(last, single, depth, weight)
     # memory: least squares over the calibration graphs plus a few spread sets
     ev([Unit(last, k) for k in kinds])
     if L > 2:
         ev([Unit(L // 2, kinds[0]), Unit(last, kinds[-1])])
         ev([Unit(0, kinds[-1])])
     cm = CostModel(L, f0, float(block), depth, weight, {k: sg.param_bytes(Unit(last, k)) for k in kinds},
-                   (0.0, 0.0, 0.0), extra, done)
+                   (0.0, 0.0, 0.0), extra, body_depth, body_weight, body_extra, done)
     X = np.array([[1.0, cm.set_depth(u) / cm.block_flops, sum(cm.param_bytes[x.kind] for x in u)]
                   for u, _ in done])
     y = np.array([ex.peak_bytes for _, ex in done], float)

@@ -73,14 +73,14 @@ def _fits(f, m, bf, bm) -> bool:
 def _knapsack(anchor: Unit, cands: Sequence[Unit], gains: dict, cm: CostModel, bf, bm, refine: bool):
     """Greedy + swap refinement for one anchor; returns (units, gain) or None."""
     m0, md, mp = cm.mem_coef
-    base_f = cm.fwd_flops + cm.depth(anchor) + cm.weight_flops[anchor.kind]
+    base_f = cm.fwd_flops + cm.depth(anchor) + cm.weight(anchor)
     base_m = m0 + md * cm.depth(anchor) / cm.block_flops + mp * cm.param_bytes[anchor.kind]
     if not _fits(base_f, base_m, bf, bm):
         return None
     rf = None if bf is None else bf - base_f
     rm = None if bm is None else bm - base_m
-    wf = {u: cm.weight_flops[u.kind] + (cm.pair_extra.get((anchor.kind, u.kind), 0.0) if u.block == anchor.block
-                                         else 0.0) for u in cands}
+    wf = {u: cm.weight(u) + (cm.extra(anchor.block, anchor.kind, u.kind) if u.block == anchor.block else 0.0)
+          for u in cands}
     wm = {u: mp * cm.param_bytes[u.kind] for u in cands}
 
     def norm_cost(u):
@@ -190,7 +190,7 @@ def search(gains: dict, cm: CostModel, *, flops_budget: float | None = None, mem
     def cost_share(u):
         c = 0.0
         if flops_budget:
-            c += cm.weight_flops[u.kind] / flops_budget
+            c += cm.weight(u) / flops_budget
         if memory_budget:
             c += cm.mem_coef[2] * cm.param_bytes[u.kind] / memory_budget
         return c or 1e-12
@@ -226,7 +226,7 @@ def search(gains: dict, cm: CostModel, *, flops_budget: float | None = None, mem
             feasible.append((best[1], sorted(units), ex))
             break
         # repair: drop the worst units (never the deepest, which fixes the depth) until it fits
-        deepest = min(units, key=lambda u: (u.block, -cm.depth_flops[u.kind]))
+        deepest = min(units, key=lambda u: (u.block, -cm.depth(u)))
         rest = sorted((u for u in units if u != deepest), key=lambda u: gains[u] / cost_share(u))
         trial = list(units)
         for u in rest[:8]:

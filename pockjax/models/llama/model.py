@@ -189,14 +189,23 @@ class Attention(nnx.Module):
         self.wv = _linear(config.dim, config.n_kv_heads * hd, rngs, dtype, param_dtype)
         self.wo = _linear(config.n_heads * hd, config.dim, rngs, dtype, param_dtype)
 
-    def __call__(self, x, cos, sin, mask, cache=None, cache_index=None):
-        b, t, _ = x.shape
+    def __call__(self, x, cos, sin, mask, cache=None, cache_index=None, query_rows=None):
+        # query_rows: optional (batch, n) slots; queries (and the output) are
+        # computed only for those rows of x, keys and values for every row, and
+        # ``mask`` is then (batch, n, keys). See Block.
+        b, s, _ = x.shape
         kv, hd = self.n_kv_heads, self.head_dim
         groups = self.n_heads // kv
-        q = self.wq(x).reshape(b, t, self.n_heads, hd)
-        k = self.wk(x).reshape(b, t, kv, hd)
-        v = self.wv(x).reshape(b, t, kv, hd)
-        q = _apply_rope(q, cos, sin)
+        xq, q_cos, q_sin = x, cos, sin
+        if query_rows is not None:
+            xq = jnp.take_along_axis(x, query_rows[:, :, None], axis=1)
+            q_cos = jnp.take_along_axis(jnp.broadcast_to(cos, (b,) + cos.shape[1:]), query_rows[:, :, None], axis=1)
+            q_sin = jnp.take_along_axis(jnp.broadcast_to(sin, (b,) + sin.shape[1:]), query_rows[:, :, None], axis=1)
+        t = xq.shape[1]
+        q = self.wq(xq).reshape(b, t, self.n_heads, hd)
+        k = self.wk(x).reshape(b, s, kv, hd)
+        v = self.wv(x).reshape(b, s, kv, hd)
+        q = _apply_rope(q, q_cos, q_sin)
         k = _apply_rope(k, cos, sin)
         new_cache = None
         if cache is not None:
@@ -251,8 +260,15 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(config.dim, config.rms_eps, param_dtype=param_dtype)
         self.mlp = MLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
-    def __call__(self, x, cos, sin, mask, cache=None, cache_index=None):
-        h, new_cache = self.attn(self.attn_norm(x), cos, sin, mask, cache, cache_index)
+    def __call__(self, x, cos, sin, mask, cache=None, cache_index=None, query_rows=None):
+        # With query_rows (batch, n), the block's output is computed only at
+        # those slots: keys and values still come from every row, but the
+        # queries, the attention output and the MLP run on n rows. The output
+        # at a slot equals the full block's output there (causal attention);
+        # ``mask`` must then be causal_mask(query_rows, key_valid).
+        h, new_cache = self.attn(self.attn_norm(x), cos, sin, mask, cache, cache_index, query_rows)
+        if query_rows is not None:
+            x = jnp.take_along_axis(x, query_rows[:, :, None], axis=1)
         x = x + h
         x = x + self.mlp(self.mlp_norm(x))
         return x, new_cache
@@ -300,7 +316,18 @@ class Llama(nnx.Module):
 
     # -- pieces -----------------------------------------------------------------
 
-    def _layers(self, x, cos, sin, mask, cache, cache_index):
+    def _layers(self, x, cos, sin, mask, cache, cache_index, query_rows=None):
+        if query_rows is not None:
+            # Every block but the last runs on all rows (their keys and values
+            # feed the last block's attention); the last one only on query_rows.
+            if self.config.scan_layers:
+                x, _ = self._layers(x, cos, sin, mask, None, None)
+                return jnp.take_along_axis(x, query_rows[:, :, None], axis=1), None
+            for block in list(self.layers)[:-1]:
+                x, _ = block(x, cos, sin, mask)
+            rows_mask = jnp.take_along_axis(mask, query_rows[:, :, None], axis=1)
+            x, _ = self.layers[len(self.layers) - 1](x, cos, sin, rows_mask, query_rows=query_rows)
+            return x, None
         if self.config.scan_layers:
             graphdef, state = nnx.split(self.layers)
 
@@ -342,17 +369,32 @@ class Llama(nnx.Module):
     # -- entry points -----------------------------------------------------------
 
     def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None,
-                      mask: jax.Array | None = None) -> jax.Array:
+                      mask: jax.Array | None = None, rows: jax.Array | None = None) -> jax.Array:
         """Output of the last block (before the final norm), ``(batch, seq, dim)``.
 
         Arguments as for :meth:`__call__`. Pair with :meth:`logits_from_hidden`
         to compute logits only at the positions a loss needs (the output
         projection is a large share of a small model's compute).
 
+        Args:
+          rows: Optional int ``(batch, n)``: return only the hidden states at
+            these slots, ``(batch, n, dim)``, equal to ``hidden_states(...)``
+            gathered there. The last block then computes its queries,
+            attention output and MLP on those ``n`` rows only (the other
+            blocks need every row for the last block's keys and values), which
+            saves most of one block's forward and backward when a loss reads
+            a few positions (:func:`answer_loss`). Models with
+            ``scan_layers`` run every block in full and gather.
+
         Example:
           >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
-          >>> model.hidden_states(jnp.array([[1, 2]])).shape
-          (1, 2, 64)
+          >>> tokens = jnp.array([[1, 2, 3, 4]])
+          >>> model.hidden_states(tokens).shape
+          (1, 4, 64)
+          >>> rows = jnp.array([[1, 3]])
+          >>> bool(jnp.allclose(model.hidden_states(tokens, rows=rows),
+          ...                   model.hidden_states(tokens)[:, jnp.array([1, 3])], atol=1e-5))
+          True
         """
         b, t = tokens.shape
         if mask is None:
@@ -370,7 +412,9 @@ class Llama(nnx.Module):
             cos, sin = rope_cos_sin(positions, self.config.head_dim_, self.config.rope_theta)
         attn_mask = causal_mask(jnp.arange(t), key_valid)
         x = self.embed(tokens)
-        x, _ = self._layers(x, cos, sin, attn_mask, None, None)
+        if rows is not None:
+            rows = jnp.broadcast_to(jnp.asarray(rows, jnp.int32), (b,) + jnp.shape(rows)[-1:])
+        x, _ = self._layers(x, cos, sin, attn_mask, None, None, rows)
         return x
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
@@ -572,10 +616,12 @@ def next_token_loss(logits: jax.Array, targets: jax.Array,
 def answer_loss(model: Llama, batch: dict, window: int) -> jax.Array:
     """:func:`next_token_loss` computing logits only on a window of answer positions.
 
-    Runs the blocks on the whole row, then the final norm and output
-    projection only on ``window`` positions from ``batch["loss_start"]``
-    (see :mod:`pockjax.data.batching`). Equal to the full loss when every
-    row's loss positions fit in the window (``Batcher.answer_window``).
+    Runs the blocks on the whole row (the last block's queries and MLP only
+    on the window: :meth:`Llama.hidden_states` with ``rows``), then the final
+    norm and output projection only on ``window`` positions from
+    ``batch["loss_start"]`` (see :mod:`pockjax.data.batching`). Equal to the
+    full loss when every row's loss positions fit in the window
+    (``Batcher.answer_window``).
 
     Args:
       model: The :class:`Llama`.
@@ -596,11 +642,10 @@ def answer_loss(model: Llama, batch: dict, window: int) -> jax.Array:
     """
     tokens = batch["tokens"]
     t = tokens.shape[1]
-    h = model.hidden_states(tokens)
     idx = batch["loss_start"][:, None] + jnp.arange(window)[None, :]
     inside = idx < t
     idx = jnp.minimum(idx, t - 1)
-    h_w = jnp.take_along_axis(h, idx[:, :, None], axis=1)
+    h_w = model.hidden_states(tokens, rows=idx)
     targets = jnp.take_along_axis(batch["targets"], idx, axis=1)
     mask = jnp.take_along_axis(batch["loss_mask"], idx, axis=1) * inside
     return next_token_loss(model.logits_from_hidden(h_w), targets, mask)
