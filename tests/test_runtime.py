@@ -167,6 +167,36 @@ def test_runtime_runs_in_a_process_where_jax_cannot_be_imported(exported_mlp, tm
     S.assert_matches(fs, list(out["losses"]), [out[n] for n in fs.input_names[: fs.n_state]], ref_losses, ref_state)
 
 
+_EXIT_WITH_LIVE_BUFFERS = textwrap.dedent(
+    """
+    import numpy as np, jax.numpy as jnp, optax
+    from flax import nnx
+    import pockjax
+    from pockjax.models import llama
+    from pockjax.train.steps import lm_train_step
+
+    graphdef, params = llama.split(llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0)))
+    tx = optax.adamw(1e-3)
+    step = pockjax.compile(lm_train_step(graphdef, tx), target="cpu")
+    tokens = jnp.ones((2, 16), jnp.int32)
+    opt_state = tx.init(params)
+    for _ in range(2):
+        params, opt_state, loss = step(params, opt_state, tokens, tokens, jnp.ones((2, 16)))
+    print(float(np.asarray(loss)))
+    # the script ends with params and opt_state still on the IREE device
+    """
+)
+
+
+def test_process_exits_cleanly_with_state_still_on_the_iree_device(tmp_path):
+    # Left to interpreter shutdown, IREE objects were destroyed in module-teardown
+    # order and the process crashed on exit (SIGSEGV) after every such script.
+    proc = subprocess.run([sys.executable, "-c", _EXIT_WITH_LIVE_BUFFERS], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    assert np.isfinite(float(proc.stdout.split()[-1]))
+
+
 # ---------------------------------------------------------------------------
 # Clear errors
 # ---------------------------------------------------------------------------

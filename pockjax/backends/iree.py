@@ -464,13 +464,15 @@ class CompiledModule:
 # in again (iree-benchmark-module on this machine: some steps stalled 10x longer than
 # their compute, 28 s against 2.4 s); with the caching allocator the steps ran 2.2-2.5 s.
 CACHING_ALLOCATOR_DRIVERS = ("local-task", "local-sync")
-_CACHING_DEVICES: dict[str, Any] = {}
+_CACHING_DEVICES: dict[str, Any] = _rtmod.register_device_cache({})
 
 
 def _caching_device(driver: str):
     import iree.runtime as rt
 
     if driver not in _CACHING_DEVICES:
+        # IREE's transients come from the host heap each step: keep it mapped.
+        _rtmod.retain_freed_heap()
         _CACHING_DEVICES[driver] = rt.get_driver(driver).create_default_device(allocators=["caching"])
     return _CACHING_DEVICES[driver]
 
@@ -490,6 +492,7 @@ class _CachingDeviceSession(DeviceSession):
         self.function = self.module.lookup_function(function)
         if self.function is None:
             raise _rtmod.ModuleError(f"module has no function {function!r}; it has {self.module.function_names}")
+        _rtmod._LIVE_SESSIONS.add(self)
 
 
 class IreeExecutable(StatefulModule):
@@ -517,6 +520,10 @@ class IreeExecutable(StatefulModule):
         # immutable, so while the device state is still that buffer a call given the same array
         # (a frozen weight, forwarded unchanged by every step) skips the upload.
         self._uploaded: dict[int, tuple[Any, Any]] = {}
+
+    def _release(self) -> None:
+        self._uploaded.clear()
+        super()._release()
 
     def __call__(self, *flat_args):
         """Flat call with the JAX function's signature: ``exe(*flat_args) -> flat_outs``.

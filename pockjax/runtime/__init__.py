@@ -10,7 +10,9 @@ Example (on the device)::
 """
 
 from pockjax.runtime.module import (
+    HEAP_DRIVERS,
     MEMORY_GROWTH_DRIVERS,
+    RETAIN_HEAP_ENV,
     METADATA_FILE,
     MODULE_FILE,
     WEIGHTS_FILE,
@@ -26,13 +28,17 @@ from pockjax.runtime.module import (
     TensorSpec,
     load,
     load_weights,
+    heap_retained,
     process_rss_bytes,
     read_metadata,
+    retain_freed_heap,
     save_weights,
 )
 
 __all__ = [
+    "HEAP_DRIVERS",
     "MEMORY_GROWTH_DRIVERS",
+    "RETAIN_HEAP_ENV",
     "METADATA_FILE",
     "MODULE_FILE",
     "WEIGHTS_FILE",
@@ -46,9 +52,11 @@ __all__ = [
     "StatefulModule",
     "TargetMismatchError",
     "TensorSpec",
+    "heap_retained",
     "load",
     "load_weights",
     "process_rss_bytes",
     "read_metadata",
+    "retain_freed_heap",
     "save_weights",
 ]
