@@ -463,7 +463,7 @@ class CompiledModule:
 # every call; with the plain heap allocator each step returns them to the OS and faults them
 # in again (iree-benchmark-module on this machine: some steps stalled 10x longer than
 # their compute, 28 s against 2.4 s); with the caching allocator the steps ran 2.2-2.5 s.
-CACHING_ALLOCATOR_DRIVERS = ("local-task", "local-sync")
+CACHING_ALLOCATOR_DRIVERS = _rtmod.HEAP_DRIVERS
 _CACHING_DEVICES: dict[str, Any] = _rtmod.register_device_cache({})
 
 
@@ -471,28 +471,16 @@ def _caching_device(driver: str):
     import iree.runtime as rt
 
     if driver not in _CACHING_DEVICES:
-        # IREE's transients come from the host heap each step: keep it mapped.
-        _rtmod.retain_freed_heap()
         _CACHING_DEVICES[driver] = rt.get_driver(driver).create_default_device(allocators=["caching"])
     return _CACHING_DEVICES[driver]
 
 
 class _CachingDeviceSession(DeviceSession):
-    """A :class:`~pockjax.runtime.module.DeviceSession` on a device with the caching allocator."""
+    """A :class:`~pockjax.runtime.module.DeviceSession` on a device with the caching
+    allocator, one per driver, shared by every in-process step."""
 
-    def __init__(self, vmfb: bytes, driver: str, function: str = "main"):
-        import iree.runtime as rt
-
-        self._rt = rt
-        self.driver = driver
-        self.device = _caching_device(driver)
-        self.instance = rt.VmInstance()
-        self.module = rt.VmModule.copy_buffer(self.instance, vmfb)
-        self.context = rt.VmContext(self.instance, [rt.create_hal_module(self.instance, self.device), self.module])
-        self.function = self.module.lookup_function(function)
-        if self.function is None:
-            raise _rtmod.ModuleError(f"module has no function {function!r}; it has {self.module.function_names}")
-        _rtmod._LIVE_SESSIONS.add(self)
+    def _open_device(self, driver: str):
+        return _caching_device(driver)
 
 
 class IreeExecutable(StatefulModule):

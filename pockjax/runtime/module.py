@@ -425,13 +425,7 @@ class DeviceSession:
         self.driver = driver
         if driver.split(":")[0] in HEAP_DRIVERS:
             retain_freed_heap()
-        try:
-            self.device = rt.get_device(driver)
-        except Exception as e:  # noqa: BLE001 - re-raised with context
-            raise ModuleError(
-                f"cannot open IREE device {driver!r}: {e}. Available drivers: "
-                f"{sorted(rt.query_available_drivers())}"
-            ) from e
+        self.device = self._open_device(driver)
         self.instance = rt.VmInstance()
         hal = rt.create_hal_module(self.instance, self.device)
         modules = [hal]
@@ -463,6 +457,16 @@ class DeviceSession:
         if self.function is None:
             raise ModuleError(f"module has no function {function!r}; it has {self.module.function_names}")
         _LIVE_SESSIONS.add(self)
+
+    def _open_device(self, driver: str):
+        """The HAL device the module runs on (a subclass may hand out a shared one)."""
+        try:
+            return self._rt.get_device(driver)
+        except Exception as e:  # noqa: BLE001 - re-raised with context
+            raise ModuleError(
+                f"cannot open IREE device {driver!r}: {e}. Available drivers: "
+                f"{sorted(self._rt.query_available_drivers())}"
+            ) from e
 
     def _release(self) -> None:
         # The module's context before the device it runs on (see release_device_objects).
