@@ -175,6 +175,13 @@ def _linear(din: int, dout: int, rngs: nnx.Rngs, dtype: Any, param_dtype: Any,
                       kernel_init=nnx.initializers.normal(std), rngs=rngs)
 
 
+def _at_rows(a: jax.Array, rows: jax.Array) -> jax.Array:
+    """``a[i, rows[i]]`` for each batch row ``i``: ``(batch or 1, seq, ...)`` at
+    ``(batch, n)`` slots -> ``(batch, n, ...)``."""
+    a = jnp.broadcast_to(a, rows.shape[:1] + a.shape[1:])
+    return jnp.take_along_axis(a, rows.reshape(rows.shape + (1,) * (a.ndim - 2)), axis=1)
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with rotary embeddings and an optional KV cache."""
 
@@ -198,9 +205,7 @@ class Attention(nnx.Module):
         groups = self.n_heads // kv
         xq, q_cos, q_sin = x, cos, sin
         if query_rows is not None:
-            xq = jnp.take_along_axis(x, query_rows[:, :, None], axis=1)
-            q_cos = jnp.take_along_axis(jnp.broadcast_to(cos, (b,) + cos.shape[1:]), query_rows[:, :, None], axis=1)
-            q_sin = jnp.take_along_axis(jnp.broadcast_to(sin, (b,) + sin.shape[1:]), query_rows[:, :, None], axis=1)
+            xq, q_cos, q_sin = (_at_rows(a, query_rows) for a in (x, cos, sin))
         t = xq.shape[1]
         q = self.wq(xq).reshape(b, t, self.n_heads, hd)
         k = self.wk(x).reshape(b, s, kv, hd)
@@ -268,7 +273,7 @@ class Block(nnx.Module):
         # ``mask`` must then be causal_mask(query_rows, key_valid).
         h, new_cache = self.attn(self.attn_norm(x), cos, sin, mask, cache, cache_index, query_rows)
         if query_rows is not None:
-            x = jnp.take_along_axis(x, query_rows[:, :, None], axis=1)
+            x = _at_rows(x, query_rows)
         x = x + h
         x = x + self.mlp(self.mlp_norm(x))
         return x, new_cache
@@ -322,10 +327,10 @@ class Llama(nnx.Module):
             # feed the last block's attention); the last one only on query_rows.
             if self.config.scan_layers:
                 x, _ = self._layers(x, cos, sin, mask, None, None)
-                return jnp.take_along_axis(x, query_rows[:, :, None], axis=1), None
+                return _at_rows(x, query_rows), None
             for block in list(self.layers)[:-1]:
                 x, _ = block(x, cos, sin, mask)
-            rows_mask = jnp.take_along_axis(mask, query_rows[:, :, None], axis=1)
+            rows_mask = _at_rows(mask, query_rows)
             x, _ = self.layers[len(self.layers) - 1](x, cos, sin, rows_mask, query_rows=query_rows)
             return x, None
         if self.config.scan_layers:
