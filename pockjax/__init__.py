@@ -34,6 +34,8 @@ _EXPORTS = {
     "UnmatchedPatternError": "pockjax.errors",
     "UnsupportedPrimitiveError": "pockjax.errors",
     "TrainGraph": "pockjax.graph",
+    "keep_step_memory": "pockjax.host",
+    "step_memory_kept": "pockjax.host",
     "trace_step": "pockjax.graph",
     "SparseOptState": "pockjax.optim.state",
     "init_opt_state": "pockjax.optim.state",

@@ -146,3 +146,10 @@ def tagging_params(tracers, tag):
         yield
     finally:
         _param_registry.ids, _param_registry.tag = previous
+
+
+def cpu_backend_started() -> bool:
+    """Whether JAX has created its backends (after which CPU client options are fixed)."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()

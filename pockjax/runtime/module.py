@@ -73,6 +73,7 @@ __all__ = [
     "MEMORY_GROWTH_DRIVERS",
     "HEAP_DRIVERS",
     "RETAIN_HEAP_ENV",
+    "heap_off_by_env",
     "retain_freed_heap",
     "heap_retained",
 ]
@@ -370,7 +371,7 @@ def retain_freed_heap() -> bool:
     """
     if _heap["retained"]:
         return True
-    if os.environ.get(RETAIN_HEAP_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+    if heap_off_by_env():
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -381,6 +382,17 @@ def retain_freed_heap() -> bool:
     mallopt.restype = ctypes.c_int
     _heap["retained"] = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
     return _heap["retained"]
+
+
+def heap_off_by_env() -> bool:
+    """Whether ``POCKJAX_RETAIN_HEAP`` (:data:`RETAIN_HEAP_ENV`) turns the heap setting off.
+
+    Example:
+      >>> import os
+      >>> heap_off_by_env() == (os.environ.get("POCKJAX_RETAIN_HEAP", "").lower() in ("0", "false", "no", "off"))
+      True
+    """
+    return os.environ.get(RETAIN_HEAP_ENV, "").strip().lower() in ("0", "false", "no", "off")
 
 
 def heap_retained() -> bool:

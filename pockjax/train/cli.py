@@ -24,7 +24,11 @@ def _bad_input():
 
 
 def run_finetune(args: argparse.Namespace) -> int:
+    import pockjax
     from pockjax.train.finetune import finetune
+
+    # Before JAX's first computation: each step reuses its working memory.
+    pockjax.keep_step_memory(quiet=True)
 
     fields = {k: getattr(args, k) for k in (
         "model", "task", "data", "scheme", "blocks", "optimizer", "lr", "steps", "batch_size",

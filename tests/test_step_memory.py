@@ -1,0 +1,108 @@
+"""In-process CPU steps reuse their working memory between steps (pockjax.keep_step_memory).
+
+XLA's CPU client allocates a step's temporaries when it starts and frees them when
+it ends; with JAX's asynchronous dispatch that happens on a worker thread whose
+glibc arena maps every block above 32 MiB afresh, so each step faulted its
+temporaries in again. :func:`pockjax.keep_step_memory` runs CPU steps on the
+calling thread and keeps freed heap mapped. Each case runs in its own process:
+the settings are process-wide and must come before JAX starts its CPU client.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+
+_STEP = textwrap.dedent(
+    """
+    import dataclasses, json, resource, warnings
+    import pockjax
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept = pockjax.keep_step_memory()
+    import numpy as np, jax, jax.numpy as jnp, optax
+    from flax import nnx
+    from pockjax.models import llama
+    from pockjax.train.schemes import llama_scheme
+    from pockjax.train.steps import lm_train_step
+
+    # A LLaMA-width step (dim 576, FFN 1536, 2 layers) at batch 16 x 128: its
+    # temporaries are well above glibc's largest mmap threshold (32 MiB).
+    config = dataclasses.replace(llama.LlamaConfig.tiny(vocab=259, max_seq_len=256, scan_layers=False),
+                                 dim=576, hidden_dim=1536, n_layers=2, n_heads=9, n_kv_heads=3)
+    graphdef, params = llama.split(llama.Llama(config, rngs=nnx.Rngs(0)))
+    tx = optax.adamw(1e-3)
+    scheme = llama_scheme("full", config)
+    step = pockjax.compile(lm_train_step(graphdef, tx), scheme=scheme)
+    tokens = jax.random.randint(jax.random.key(0), (16, 128), 0, config.vocab)
+    batch = (tokens, tokens, jnp.ones(tokens.shape, jnp.float32))
+    opt = pockjax.init_opt_state(tx, params, scheme)
+    faults, losses = [], []
+    for _ in range(5):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        params, opt, loss = step(params, opt, *batch)
+        losses.append(float(np.asarray(loss)))
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(json.dumps({"faults": faults, "losses": losses, "kept": kept,
+                      "async": jax.config.read("jax_cpu_enable_async_dispatch"),
+                      "warnings": [str(w.message) for w in caught]}))
+    """
+)
+
+
+def _run(code: str, keep: bool) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("POCKJAX_RETAIN_HEAP", None)
+    if not keep:
+        env["POCKJAX_RETAIN_HEAP"] = "0"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_cpu_step_stops_faulting_its_temporaries_in_again():
+    kept, default = _run(_STEP, keep=True), _run(_STEP, keep=False)
+    assert kept["kept"] and not kept["async"] and kept["warnings"] == []
+    assert not default["kept"] and default["async"]
+    assert "POCKJAX_RETAIN_HEAP" in default["warnings"][0]
+    # The first steps fault the heap in; after that the kept heap serves every step.
+    assert max(kept["faults"][2:]) < 10000, kept  # about 300-3,000 here
+    assert min(default["faults"][2:]) > 40000, default  # about 80,000 here
+    assert kept["losses"] == default["losses"]  # the same arithmetic either way
+
+
+def test_keep_step_memory_after_jax_started_changes_nothing_and_says_when_to_call_it():
+    code = textwrap.dedent(
+        """
+        import json, warnings
+        import jax, jax.numpy as jnp
+        import pockjax
+        jnp.ones(3).block_until_ready()          # JAX's CPU client now exists
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = pockjax.keep_step_memory()
+            quiet = pockjax.keep_step_memory(quiet=True)
+        print(json.dumps({"first": first, "quiet": quiet, "kept": pockjax.step_memory_kept(),
+                          "async": jax.config.read("jax_cpu_enable_async_dispatch"),
+                          "warnings": [str(w.message) for w in caught]}))
+        """
+    )
+    got = _run(code, keep=True)
+    assert got["first"] is False and got["quiet"] is False and got["kept"] is False
+    assert got["async"] is True  # left as it was
+    assert len(got["warnings"]) == 1 and "before the first JAX computation" in got["warnings"][0]
+
+
+def test_keep_step_memory_is_idempotent():
+    code = ("import pockjax, jax; a = pockjax.keep_step_memory(); b = pockjax.keep_step_memory(); "
+            "print(a, b, pockjax.step_memory_kept(), jax.config.read('jax_cpu_enable_async_dispatch'))")
+    env = {k: v for k, v in os.environ.items() if k != "POCKJAX_RETAIN_HEAP"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True", "True", "False"]
