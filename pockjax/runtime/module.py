@@ -353,7 +353,9 @@ def retain_freed_heap() -> bool:
     The process then holds on to its peak heap between steps instead of giving
     it back to the system; the peak itself does not change. Allocations of
     other threads' glibc arenas (XLA's worker threads) are not affected: those
-    arenas fall back to ``mmap`` for large blocks whatever the setting.
+    arenas fall back to ``mmap`` for large blocks whatever the setting
+    (:func:`pockjax.keep_step_memory` moves in-process XLA steps onto the
+    calling thread, whose allocations come from the main heap).
 
     pockjax calls it when it opens a device on a local CPU driver
     (:data:`HEAP_DRIVERS`: the in-process ``pockjax.compile(...,
