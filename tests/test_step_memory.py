@@ -10,65 +10,32 @@ the settings are process-wide and must come before JAX starts its CPU client.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from _fault_steps import fault_script, run_script
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 
-_STEP = textwrap.dedent(
-    """
-    import dataclasses, json, resource, warnings
+_STEP = fault_script(
+    prologue="""
+    import warnings
     import pockjax
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         kept = pockjax.keep_step_memory()
-    import numpy as np, jax, jax.numpy as jnp, optax
-    from flax import nnx
-    from pockjax.models import llama
-    from pockjax.train.schemes import llama_scheme
-    from pockjax.train.steps import lm_train_step
-
-    # A LLaMA-width step (dim 576, FFN 1536, 2 layers) at batch 16 x 128: its
-    # temporaries are well above glibc's largest mmap threshold (32 MiB).
-    config = dataclasses.replace(llama.LlamaConfig.tiny(vocab=259, max_seq_len=256, scan_layers=False),
-                                 dim=576, hidden_dim=1536, n_layers=2, n_heads=9, n_kv_heads=3)
-    graphdef, params = llama.split(llama.Llama(config, rngs=nnx.Rngs(0)))
-    tx = optax.adamw(1e-3)
-    scheme = llama_scheme("full", config)
-    step = pockjax.compile(lm_train_step(graphdef, tx), scheme=scheme)
-    tokens = jax.random.randint(jax.random.key(0), (16, 128), 0, config.vocab)
-    batch = (tokens, tokens, jnp.ones(tokens.shape, jnp.float32))
-    opt = pockjax.init_opt_state(tx, params, scheme)
-    faults, losses = [], []
-    for _ in range(5):
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        params, opt, loss = step(params, opt, *batch)
-        losses.append(float(np.asarray(loss)))
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    print(json.dumps({"faults": faults, "losses": losses, "kept": kept,
-                      "async": jax.config.read("jax_cpu_enable_async_dispatch"),
-                      "warnings": [str(w.message) for w in caught]}))
-    """
+    """,
+    scheme='llama_scheme("full", config)',
+    report='{"kept": kept, "async": jax.config.read("jax_cpu_enable_async_dispatch"),'
+           ' "warnings": [str(w.message) for w in caught]}',
 )
 
 
-def _run(code: str, keep: bool) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("POCKJAX_RETAIN_HEAP", None)
-    if not keep:
-        env["POCKJAX_RETAIN_HEAP"] = "0"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def test_cpu_step_stops_faulting_its_temporaries_in_again():
-    kept, default = _run(_STEP, keep=True), _run(_STEP, keep=False)
+    kept, default = run_script(_STEP, retain_heap=True), run_script(_STEP, retain_heap=False)
     assert kept["kept"] and not kept["async"] and kept["warnings"] == []
     assert not default["kept"] and default["async"]
     assert "POCKJAX_RETAIN_HEAP" in default["warnings"][0]
@@ -94,7 +61,7 @@ def test_keep_step_memory_after_jax_started_changes_nothing_and_says_when_to_cal
                           "warnings": [str(w.message) for w in caught]}))
         """
     )
-    got = _run(code, keep=True)
+    got = run_script(code, retain_heap=True)
     assert got["first"] is False and got["quiet"] is False and got["kept"] is False
     assert got["async"] is True  # left as it was
     assert len(got["warnings"]) == 1 and "before the first JAX computation" in got["warnings"][0]
