@@ -10,8 +10,6 @@ the settings are process-wide and must come before JAX starts its CPU client.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import textwrap
 
@@ -68,8 +66,6 @@ def test_keep_step_memory_after_jax_started_changes_nothing_and_says_when_to_cal
 
 
 def test_keep_step_memory_is_idempotent():
-    code = ("import pockjax, jax; a = pockjax.keep_step_memory(); b = pockjax.keep_step_memory(); "
-            "print(a, b, pockjax.step_memory_kept(), jax.config.read('jax_cpu_enable_async_dispatch'))")
-    env = {k: v for k, v in os.environ.items() if k != "POCKJAX_RETAIN_HEAP"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "True", "True", "False"]
+    code = ("import json, pockjax, jax; a = pockjax.keep_step_memory(); b = pockjax.keep_step_memory(); "
+            "print(json.dumps([a, b, pockjax.step_memory_kept(), jax.config.read('jax_cpu_enable_async_dispatch')]))")
+    assert run_script(code, retain_heap=True) == [True, True, True, False]

@@ -391,8 +391,13 @@ def heap_off_by_env() -> bool:
 
     Example:
       >>> import os
-      >>> heap_off_by_env() == (os.environ.get("POCKJAX_RETAIN_HEAP", "").lower() in ("0", "false", "no", "off"))
+      >>> from unittest import mock
+      >>> with mock.patch.dict(os.environ, {"POCKJAX_RETAIN_HEAP": " Off"}):
+      ...     heap_off_by_env()
       True
+      >>> with mock.patch.dict(os.environ, {"POCKJAX_RETAIN_HEAP": "1"}):
+      ...     heap_off_by_env()
+      False
     """
     return os.environ.get(RETAIN_HEAP_ENV, "").strip().lower() in ("0", "false", "no", "off")
 
