@@ -502,7 +502,7 @@ def compile(
       donate: donate parameters and optimizer state buffers to the step (XLA).
       xla_options: XLA compiler options for the in-process step (see
         :func:`xla_compile_options`), e.g.
-        :data:`pockjax.train.steps.ANSWER_STEP_XLA_OPTIONS`.
+        :func:`pockjax.train.steps.answer_step_xla_options`.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, pockjax

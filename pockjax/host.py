@@ -1,4 +1,8 @@
-"""Host memory of in-process CPU steps: reuse each step's working memory.
+"""The host CPU and memory of in-process CPU steps.
+
+:func:`cpu_vendor` names the host CPU's maker (kernel choices that were
+measured to differ between Intel and AMD hosts key on it). The rest of this
+module reuses each step's working memory:
 
 XLA's CPU client allocates a step's temporaries (about 1 GB for a full
 SmolLM2-135M step) when the step starts and frees them when it ends. With JAX's
@@ -23,6 +27,32 @@ import warnings
 from pockjax.runtime.module import RETAIN_HEAP_ENV, heap_off_by_env, retain_freed_heap
 
 _state = {"on": False}
+
+
+def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The host CPU's maker: ``"intel"``, ``"amd"``, or ``""`` when unknown.
+
+    Read from the ``vendor_id`` line of ``cpuinfo`` (Linux); any other
+    system, an unreadable file or another maker gives ``""``.
+
+    Example:
+      >>> import tempfile
+      >>> with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+      ...     _ = f.write("vendor_id : AuthenticAMD")
+      >>> cpu_vendor(f.name)
+      'amd'
+      >>> cpu_vendor("/no/such/file")
+      ''
+    """
+    makers = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return makers.get(line.split(":", 1)[1].strip(), "")
+    except OSError:
+        pass
+    return ""
 
 
 def keep_step_memory(*, quiet: bool = False) -> bool:

@@ -268,16 +268,16 @@ def test_traces_once_per_signature():
 
 
 def test_xla_options_reach_the_cpu_compile():
-    from pockjax.train.steps import ANSWER_STEP_XLA_OPTIONS
+    from pockjax.train.steps import XLA_OWN_DOT_KERNELS
 
     model, tx, params, opt_state, batch = _setup(Transformer())
     step = make_step(model, tx)
     default = pockjax.compile(step).lower(params, opt_state, batch)
     assert default.executable.options == {}
     assert "__ynn_fusion" in default.executable.compiled.as_text()
-    tuned = pockjax.compile(step, xla_options=ANSWER_STEP_XLA_OPTIONS)
+    tuned = pockjax.compile(step, xla_options=XLA_OWN_DOT_KERNELS)
     low = tuned.lower(params, opt_state, batch)
-    assert low.executable.options == ANSWER_STEP_XLA_OPTIONS
+    assert low.executable.options == XLA_OWN_DOT_KERNELS
     hlo = low.executable.compiled.as_text()
     assert "dot(" in hlo and "__ynn_fusion" not in hlo
     fresh = lambda: jax.tree.map(jnp.copy, (params, opt_state))  # the step donates its state

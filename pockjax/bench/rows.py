@@ -376,7 +376,9 @@ def pockjax_row(job: dict) -> dict:
         return loss
 
     trainable_n = scheme.describe(holder["p"]).trainable
-    return _jax_loop(job, cfg, run, t0, trainable_n, lambda: holder["p"], graphdef, compile_s)
+    out = _jax_loop(job, cfg, run, t0, trainable_n, lambda: holder["p"], graphdef, compile_s)
+    out["xla_options"] = dict(xla_options or {})
+    return out
 
 
 _RUNNERS: dict[str, Callable[[dict], dict]] = {"torch": torch_row, "jax": jax_row, "pockjax": pockjax_row}

@@ -7,15 +7,50 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-#: XLA compiler options for :func:`answer_train_step` (``pockjax.compile(...,
-#: xla_options=ANSWER_STEP_XLA_OPTIONS)``, as ``pockjax finetune`` and the
-#: benchmarks compile it; applied on the CPU platform only). No YNNPACK dot
-#: fusions: XLA's own kernels run the heads-major attention products about
-#: twice as fast and the answer-window output projection as fast, and the
-#: SmolLM2 step measured 2-6% faster (docs/benchmarks.md). Not for steps that
-#: project every position onto the vocabulary: on a 512 x 576 x 49152 product
-#: XLA's kernel is 2.4x slower than YNNPACK's.
-ANSWER_STEP_XLA_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+#: XLA compiler options that turn off XLA's YNNPACK fusions on CPU: every dot
+#: runs on XLA's own kernels (applied on the CPU platform only).
+XLA_OWN_DOT_KERNELS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def answer_step_xla_options(vendor: str | None = None) -> dict:
+    """XLA compiler options for :func:`answer_train_step` on a CPU of ``vendor``.
+
+    ``pockjax finetune`` and the benchmarks compile the answer-window step with
+    these (``pockjax.compile(..., xla_options=...)``). Which dot kernels are
+    faster for this step was measured to depend on the host
+    (docs/benchmarks.md):
+
+    * Intel (AVX-512 Xeon): XLA's default, YNNPACK's fusions. They ran the
+      SmolLM2 projections at 250-290 GFLOP/s against 165-230 for XLA's own
+      kernels, and the step 7-8% faster (``paper`` 0.86 / 0.84 s against
+      0.91 / 0.93 s, full 1.60 / 1.58 / 1.65 s against 1.74 / 1.76 / 1.72 s).
+    * AMD (EPYC): XLA's own kernels (:data:`XLA_OWN_DOT_KERNELS`): there the
+      two were even on the projections, XLA's twice as fast on the attention
+      products, and the step 2-6% faster.
+    * anything else: XLA's default (not measured).
+
+    Not for steps that project every position onto the vocabulary: on a
+    512 x 576 x 49152 product XLA's own kernel was 2.4x slower than YNNPACK's.
+
+    Args:
+      vendor: ``"intel"``, ``"amd"`` or ``""``; None reads this host's
+        (:func:`pockjax.host.cpu_vendor`).
+
+    Example:
+      >>> answer_step_xla_options("amd") == XLA_OWN_DOT_KERNELS
+      True
+      >>> answer_step_xla_options("intel")
+      {}
+    """
+    if vendor is None:
+        from pockjax.host import cpu_vendor
+
+        vendor = cpu_vendor()
+    return dict(XLA_OWN_DOT_KERNELS) if vendor == "amd" else {}
+
+
+#: :func:`answer_step_xla_options` of this host.
+ANSWER_STEP_XLA_OPTIONS = answer_step_xla_options()
 
 
 def lm_train_step(graphdef: Any, tx: Any) -> Callable:
