@@ -36,11 +36,13 @@ def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
     system, an unreadable file or another maker gives ``""``.
 
     Example:
-      >>> import tempfile
-      >>> with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-      ...     _ = f.write("vendor_id : AuthenticAMD")
-      >>> cpu_vendor(f.name)
-      'amd'
+      >>> import os, tempfile
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     path = os.path.join(d, "cpuinfo")
+      ...     with open(path, "w") as f:
+      ...         _ = f.write("processor : 0\\nvendor_id : AuthenticAMD\\n")
+      ...     print(cpu_vendor(path))
+      amd
       >>> cpu_vendor("/no/such/file")
       ''
     """
