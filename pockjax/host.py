@@ -29,11 +29,34 @@ from pockjax.runtime.module import RETAIN_HEAP_ENV, heap_off_by_env, retain_free
 _state = {"on": False}
 
 
+def cpuinfo_field(key: str, cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The first ``key : value`` of ``cpuinfo`` (Linux), or ``""`` when absent or unreadable.
+
+    Example:
+      >>> import os, tempfile
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     path = os.path.join(d, "cpuinfo")
+      ...     with open(path, "w") as f:
+      ...         _ = f.write("processor\\t: 0\\nmodel name\\t: Some CPU\\n")
+      ...     print(repr(cpuinfo_field("model name", path)), repr(cpuinfo_field("flags", path)))
+      'Some CPU' ''
+    """
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                name, sep, value = line.partition(":")
+                if sep and name.strip() == key:
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
 def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The host CPU's maker: ``"intel"``, ``"amd"``, or ``""`` when unknown.
 
-    Read from the ``vendor_id`` line of ``cpuinfo`` (Linux); any other
-    system, an unreadable file or another maker gives ``""``.
+    Read from the ``vendor_id`` line of ``cpuinfo`` (:func:`cpuinfo_field`);
+    any other system, an unreadable file or another maker gives ``""``.
 
     Example:
       >>> import os, tempfile
@@ -47,14 +70,7 @@ def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
       ''
     """
     makers = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return makers.get(line.split(":", 1)[1].strip(), "")
-    except OSError:
-        pass
-    return ""
+    return makers.get(cpuinfo_field("vendor_id", cpuinfo), "")
 
 
 def keep_step_memory(*, quiet: bool = False) -> bool:

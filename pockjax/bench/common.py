@@ -269,15 +269,9 @@ def machine() -> dict:
     """CPU model, core count, memory and OS of this machine."""
     import platform
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    from pockjax.host import cpuinfo_field
+
+    cpu = cpuinfo_field("model name") or platform.processor() or platform.machine()
     mem = 0
     try:
         with open("/proc/meminfo") as f:
