@@ -77,7 +77,7 @@ def register(subparsers) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=None, help="tokens per row (default: 128; 192 for tiny)")
     p.add_argument("--reps", type=int, default=2, help="rounds of the speed phase")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per process")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per process")
     p.add_argument("--steps", type=int, default=3, help="timed steps per process")
     p.add_argument("--rows", default=None, help="comma-separated speed rows (default: all; 'none': skip)")
     p.add_argument("--quality-steps", type=int, default=0,
