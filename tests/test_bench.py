@@ -150,3 +150,45 @@ def test_merge_combines_runs_and_refuses_different_settings(tiny_results, tmp_pa
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="different seed"):
         merge([str(out / "results.json"), str(tmp_path / "other.json")], str(tmp_path / "m2"))
+
+
+def test_gpu_table_summary_reports_gpu_memory(tmp_path):
+    """On ``device="gpu"`` the memory column, the memory goal and the chart use
+    each row's peak GPU memory, and the headline names the GPU."""
+    from pockjax.bench.runner import plot_results
+
+    cfg = BenchConfig(model="llama-1b", device="gpu", batch=4, seq=192)
+
+    def speed(row, t, gpu_bytes):
+        return {"row": row, "phase": "speed", "step_times": [t, t], "losses": [1.0], "setup_s": 1.0,
+                "train_peak_rss": 2**30, "device_peak_bytes": gpu_bytes, "trainable_params": 10}
+
+    raw = [speed("torch-full", 0.30, 16 * 2**30), speed("torch-lora", 0.20, 6 * 2**30),
+           speed("pockjax-paper", 0.08, 9 * 2**30)]
+    res = summarize(raw, cfg)
+    res["machine"].update(gpu="NVIDIA H100 80GB HBM3", gpu_memory_bytes=79 * 2**30)
+    assert res["speed"]["torch-lora"]["device_peak_bytes"] == 6 * 2**30
+    goals = {(g["row"], g["baseline"], g["what"]): g for g in res["goals"]}
+    assert goals[("pockjax-paper", "torch-lora", "memory")]["value"] == pytest.approx(1.5)  # 9 / 6 GiB
+    table = markdown_table(res)
+    assert "peak GPU memory (GiB)" in table and "NVIDIA H100 80GB HBM3" in table
+    assert "| 9.00 |" in table and "llama-1b (random weights)" in table
+    assert plot_results(res, str(tmp_path / "gpu.png")) and (tmp_path / "gpu.png").stat().st_size > 0
+
+
+def test_gpu_device_is_checked_before_any_row_runs(tmp_path):
+    from pockjax.bench.rows import default_rows
+    from pockjax.bench.runner import probe_gpu
+
+    gpu = BenchConfig(**{**TINY, "device": "gpu"})
+    with pytest.raises(ValueError, match=r"pockjax-paper-iree.*run on the CPU only"):
+        run(gpu, rows=["pockjax-paper-iree"], out=str(tmp_path))
+    assert "pockjax-paper-iree" not in default_rows("gpu") and "pockjax-paper" in default_rows("gpu")
+    with pytest.raises(ValueError, match="unknown benchmark device 'tpu'"):
+        BenchConfig(device="tpu")
+    try:
+        info = probe_gpu(gpu, timeout=120)
+    except RuntimeError as e:  # the CPU-only machines the suite runs on
+        assert "--device gpu needs an NVIDIA GPU" in str(e) and "--device cpu" in str(e)
+    else:
+        assert info["gpu"] and info["gpus"] >= 1

@@ -14,9 +14,9 @@ Example (not run here: minutes of training)::
 """
 
 from pockjax.bench.common import BenchConfig
-from pockjax.bench.rows import DEFAULT_ROWS, QUALITY_ROWS, ROWS
+from pockjax.bench.rows import DEFAULT_ROWS, QUALITY_ROWS, ROWS, default_rows
 
-__all__ = ["BenchConfig", "ROWS", "DEFAULT_ROWS", "QUALITY_ROWS", "run"]
+__all__ = ["BenchConfig", "ROWS", "DEFAULT_ROWS", "QUALITY_ROWS", "default_rows", "run"]
 
 
 def run(*args, **kwargs):

