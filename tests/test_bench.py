@@ -150,6 +150,10 @@ def test_merge_combines_runs_and_refuses_different_settings(tiny_results, tmp_pa
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="different seed"):
         merge([str(out / "results.json"), str(tmp_path / "other.json")], str(tmp_path / "m2"))
+    other["config"].update(seed=0, device="gpu")
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="different device: 'cpu' vs 'gpu'"):
+        merge([str(out / "results.json"), str(tmp_path / "other.json")], str(tmp_path / "m3"))
 
 
 def test_gpu_table_summary_reports_gpu_memory(tmp_path):
