@@ -17,7 +17,7 @@ import numpy as np
 
 from pockjax.runtime.module import process_rss_bytes
 
-__all__ = ["BenchConfig", "TASK", "MODELS", "DEVICES", "random_config", "make_data", "timed_steps",
+__all__ = ["BenchConfig", "TASK", "MODELS", "RANDOM_MODELS", "DEVICES", "random_config", "make_data", "timed_steps",
            "proc_rss", "proc_peak_rss", "reset_peak_rss", "trim_heap", "torch_name"]
 
 #: The task every row fine-tunes on.
@@ -31,6 +31,8 @@ MODELS = {
     "llama-1b": "LLaMA-style, 16 blocks of width 2048 (GQA 32/8 heads, FFN 8192), ~1.0B"
                 " parameters, random weights (for the GPU table)",
 }
+#: The models of :data:`MODELS` with random weights and the byte-level tokenizer.
+RANDOM_MODELS = ("tiny", "llama-1b")
 
 #: Where the rows run: ``cpu`` (every framework on the host's cores) or ``gpu``
 #: (PyTorch on CUDA, JAX on its CUDA backend).
@@ -124,7 +126,7 @@ def random_config(model: str):
         return llama.LlamaConfig(vocab=259, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
                                  hidden_dim=8192, rope_theta=500000.0, rms_eps=1e-5,
                                  tie_embeddings=False, max_seq_len=1024)
-    raise ValueError(f"{model!r} is not a random-weight benchmark model (tiny, llama-1b)")
+    raise ValueError(f"{model!r} is not a random-weight benchmark model ({', '.join(RANDOM_MODELS)})")
 
 
 def default_seq(model: str) -> int:
@@ -136,7 +138,7 @@ def default_seq(model: str) -> int:
         >>> default_seq("smollm2-135m"), default_seq("tiny"), default_seq("llama-1b")
         (128, 192, 192)
     """
-    return 128 if model == "smollm2-135m" else 192
+    return 192 if model in RANDOM_MODELS else 128
 
 
 def row_lr(kind: str, cfg: BenchConfig) -> float:
@@ -159,7 +161,7 @@ def load_tokenizer_for(model: str):
     """The tokenizer of ``model`` (the random-weight models: the byte-level test tokenizer)."""
     from pockjax.models import llama
 
-    if model != "smollm2-135m":
+    if model in RANDOM_MODELS:
         return llama.Tokenizer.byte_level_for_tests()
     return llama.load_tokenizer(llama.pretrained_path(model))
 

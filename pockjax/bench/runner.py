@@ -33,7 +33,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pockjax.bench.common import BenchConfig, machine, make_data, median, random_config, versions
+from pockjax.bench.common import (RANDOM_MODELS, BenchConfig, machine, make_data, median, random_config,
+                                  versions)
 from pockjax.bench.rows import CPU_ONLY_ROWS, QUALITY_ROWS, ROWS, default_rows
 
 __all__ = ["run", "summarize", "merge", "markdown_table", "plot_results", "GOALS"]
@@ -118,7 +119,7 @@ def _prepare(cfg: BenchConfig, out: str, phases: Sequence[str]) -> dict:
     from pockjax.models import llama
 
     src: dict[str, Any] = {}
-    if cfg.model != "smollm2-135m":
+    if cfg.model in RANDOM_MODELS:
         from flax import nnx
 
         hf_dir = os.path.join(out, f"{cfg.model}-model")
@@ -218,12 +219,12 @@ def run(cfg: BenchConfig, *, rows: Sequence[str] | None = None, reps: int = 2,
         raise ValueError("nothing to run: give speed rows, or quality steps and rows")
     if reps < 1:
         raise ValueError(f"reps must be at least 1, got {reps}")
-    cpu_only = [r for r in rows + quality_rows if r in CPU_ONLY_ROWS]
-    if cfg.device == "gpu" and cpu_only:
-        raise ValueError(f"rows {cpu_only} run on the CPU only (IREE's cpu target); leave them out"
-                         " with --device gpu")
     gpu = None
     if cfg.device == "gpu":
+        cpu_only = [r for r in rows + quality_rows if r in CPU_ONLY_ROWS]
+        if cpu_only:
+            raise ValueError(f"rows {cpu_only} run on the CPU only (IREE's cpu target); leave them out"
+                             " with --device gpu")
         gpu = probe_gpu(cfg)
         # This process's JAX (the random model's init, the evaluator) must not
         # take most of the GPU up front while the rows' processes run.
@@ -288,14 +289,14 @@ def summarize(raw: list[dict], cfg: BenchConfig, prep: dict | None = None) -> di
             continue
         s = speed.setdefault(r["row"], {"step_times": [], "train_peak_rss": 0, "errors": [],
                                         "processes": 0, "setup_s": [], "compile_s": []})
-        if r.get("device_peak_bytes") is not None:
-            s["device_peak_bytes"] = max(s.get("device_peak_bytes", 0), r["device_peak_bytes"])
         if "error" in r:
             s["errors"].append(r["error"])
             continue
         s["processes"] += 1
         s["step_times"] += r["step_times"]
         s["train_peak_rss"] = max(s["train_peak_rss"], r["train_peak_rss"])
+        if r.get("device_peak_bytes") is not None:
+            s["device_peak_bytes"] = max(s.get("device_peak_bytes", 0), r["device_peak_bytes"])
         s["setup_s"].append(r["setup_s"])
         if r.get("compile_s") is not None:
             s["compile_s"].append(r["compile_s"])
@@ -348,6 +349,11 @@ def summarize(raw: list[dict], cfg: BenchConfig, prep: dict | None = None) -> di
     return out
 
 
+def _device(config: dict) -> str:
+    """The device of a results file's ``config`` (runs from before ``--device`` ran on the CPU)."""
+    return config.get("device", "cpu")
+
+
 def _memory_key(device: str) -> str:
     """The speed-row field holding a row's peak memory: host RSS, or GPU memory on ``gpu``."""
     return "device_peak_bytes" if device == "gpu" else "train_peak_rss"
@@ -367,9 +373,9 @@ def merge(paths: Sequence[str], out: str) -> dict:
             runs.append(json.load(f))
     if not runs:
         raise ValueError("nothing to merge")
-    first = {"device": "cpu", **runs[0]["config"]}  # runs before --device ran on the CPU
+    first = {**runs[0]["config"], "device": _device(runs[0]["config"])}
     for r in runs[1:]:
-        c = {"device": "cpu", **r["config"]}
+        c = {**r["config"], "device": _device(r["config"])}
         # The learning rates only shape the quality phase: they come from the quality run.
         for key in ("model", "device", "seed", "lora_rank", "blocks"):
             if c.get(key) != first.get(key):
@@ -413,7 +419,7 @@ def markdown_table(results: dict) -> str:
     cfg = results["config"]
     m = results["machine"]
     v = results["versions"]
-    gpu = cfg.get("device", "cpu") == "gpu"
+    gpu = _device(cfg) == "gpu"
     where = (f"{m.get('gpu', 'GPU')} ({_gib(m.get('gpu_memory_bytes', 0))} GiB usable), host {m['cpu']}"
              if gpu else f"{m['cpu']}, {m['cores']} cores")
     lines = [f"SmolLM2-135M-Instruct fp32 fine-tuning step, batch {cfg['batch']} x {cfg['seq']} tokens"
@@ -426,7 +432,7 @@ def markdown_table(results: dict) -> str:
     qs = results.get("quality_shape") or {}
     acc_head = (f"exact match after {q_steps} steps" if q_steps else "exact match")
     mem_head = "peak GPU memory (GiB)" if gpu else "peak RSS (GiB)"
-    mem_key = _memory_key("gpu" if gpu else "cpu")
+    mem_key = _memory_key(_device(cfg))
     lines.append(f"| row | what | step (s) | tokens/s | vs PyTorch full | {mem_head} | trainable | {acc_head} |")
     lines.append("|---|---|---:|---:|---:|---:|---:|---:|")
     names = list(dict.fromkeys(list(results["speed"]) + list(results["quality"])))
@@ -483,8 +489,8 @@ def plot_results(results: dict, path: str) -> str | None:
         return None
     colors = {"torch": "#ee6633", "jax": "#8899aa", "pockjax": "#3377cc"}
     col = [colors.get(ROWS[n].framework, "#999999") if n in ROWS else "#999999" for n in names]
-    gpu = results["config"].get("device", "cpu") == "gpu"
-    mem_key = _memory_key("gpu" if gpu else "cpu")
+    gpu = _device(results["config"]) == "gpu"
+    mem_key = _memory_key(_device(results["config"]))
     tps = [results["speed"][n]["tokens_per_s"] for n in names]
     rss = [results["speed"][n].get(mem_key, 0) / 2**30 for n in names]
     mem_title = "peak GPU memory, GiB (lower is better)" if gpu else "peak RSS while training, GiB (lower is better)"
