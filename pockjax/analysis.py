@@ -67,17 +67,32 @@ def _walk(jaxpr, visit, multiplier: float = 1.0):
                 _walk(_jaxpr_of(s), visit, multiplier * times)
 
 
-def count_flops(obj: Any) -> float:
+_MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
+
+
+def count_flops(obj: Any, *, matmul_only: bool = False) -> float:
     """Estimated FLOPs of a jaxpr / ClosedJaxpr / TrainGraph.
+
+    Args:
+      obj: What to count.
+      matmul_only: Count only matrix products and convolutions (``dot_general``,
+        ``conv_general_dilated``), as PyTorch's
+        ``torch.utils.flop_counter.FlopCounterMode`` does; elementwise work
+        and reductions are left out.
 
     Example:
         >>> import jax, jax.numpy as jnp, pockjax
         >>> pockjax.count_flops(jax.make_jaxpr(jnp.dot)(jnp.ones((4, 3)), jnp.ones((3, 5))))
         120.0
+        >>> j = jax.make_jaxpr(lambda a, b: jnp.tanh(a @ b))(jnp.ones((4, 3)), jnp.ones((3, 5)))
+        >>> pockjax.count_flops(j), pockjax.count_flops(j, matmul_only=True)
+        (140.0, 120.0)
     """
     total = [0.0]
 
     def visit(eqn, mult):
+        if matmul_only and eqn.primitive.name not in _MATMUL_PRIMITIVES:
+            return
         total[0] += mult * eqn_flops(eqn)
 
     _walk(_jaxpr_of(obj), visit)

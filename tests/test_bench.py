@@ -48,6 +48,34 @@ def test_rows_ran_and_results_written(tiny_results):
     assert res["speed"]["pockjax-paper"]["trainable_params"] < res["speed"]["pockjax-full"]["trainable_params"]
 
 
+def test_rows_count_their_matmul_flops(tiny_results):
+    """Each speed row reports the matrix-product FLOPs of its step: plain JAX's full
+    step does every product of the forward pass three times (forward, activation
+    gradient, weight gradient); pockjax's answer-window loss and the sparse scheme
+    each remove some."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import pockjax
+    from pockjax.bench.common import random_config
+    from pockjax.models import llama
+
+    res, _ = tiny_results
+    graphdef, params = llama.split(llama.Llama(random_config("tiny"), rngs=nnx.Rngs(0)))
+    tokens = jnp.zeros((TINY["batch"], TINY["seq"]), jnp.int32)
+    forward = pockjax.count_flops(jax.make_jaxpr(lambda p, t: llama.apply(graphdef, p, t))(params, tokens),
+                                  matmul_only=True)
+    flops = {n: res["speed"][n]["step_flops"] for n in ("jax-full", "pockjax-full", "pockjax-paper")}
+    assert flops["jax-full"] == pytest.approx(3 * forward, rel=1e-9)
+    assert 0 < flops["pockjax-paper"] < flops["pockjax-full"] < flops["jax-full"]
+    for name, f in flops.items():
+        s = res["speed"][name]
+        assert s["gflop_per_s"] == pytest.approx(f / 1e9 / s["step_s"])
+    table = markdown_table(res)
+    assert f"| {flops['jax-full'] / 1e9:.1f} |" in table
+
+
 def test_every_row_starts_from_the_same_weights_and_batch(tiny_results):
     res, _ = tiny_results
     first = {n: _raw(res, "speed", n)[0]["losses"][0] for n in ("jax-full", "pockjax-full", "pockjax-paper")}
@@ -78,6 +106,25 @@ def test_pytorch_rows_match_pockjax(tmp_path):
     for name in ("torch-full", "torch-lora"):
         assert not res["speed"][name]["errors"], res["speed"][name]["errors"]
     assert res["speed"]["torch-lora"]["trainable_params"] < res["speed"]["torch-full"]["trainable_params"]
+    # PyTorch's count of the full step: the products of plain JAX's (3x the forward
+    # pass), but the CPU attention kernel's backward recomputes the scores: 5
+    # attention products instead of 4, so the two counts differ by the cost of one.
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import pockjax
+    from pockjax.bench.common import random_config
+    from pockjax.models import llama
+
+    c = random_config("tiny")
+    graphdef, params = llama.split(llama.Llama(c, rngs=nnx.Rngs(0)))
+    b, t = TINY["batch"], TINY["seq"]
+    forward = pockjax.count_flops(jax.make_jaxpr(lambda p, x: llama.apply(graphdef, p, x))(
+        params, jnp.zeros((b, t), jnp.int32)), matmul_only=True)
+    one_attention_product = 2 * b * c.n_heads * t * t * c.head_dim_ * c.n_layers
+    assert res["speed"]["torch-full"]["step_flops"] == pytest.approx(3 * forward + one_attention_product, rel=1e-9)
+    assert res["speed"]["torch-lora"]["step_flops"] > forward
     a = _raw(res, "quality", "torch-sparse")[0]["losses"]
     b = _raw(res, "quality", "pockjax-paper")[0]["losses"]
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (a, b)

@@ -196,10 +196,24 @@ def torch_row(job: dict) -> dict:
         reset_peak_rss()
 
     n_warm, n_timed = _counts(job, cfg, len(batches))
-    times, losses = timed_steps(step, n_warm, n_timed, on_warm=warm)
+    counted = {}
+
+    def first_counted(i):
+        # The first warm-up step of the speed phase also counts the step's matrix-product
+        # FLOPs (forward and backward), as pockjax.count_flops(..., matmul_only=True) does
+        # for the JAX rows; the counter slows that step, which is not timed.
+        if i > 0 or n_warm == 0 or job["phase"] != "speed":
+            return step(i)
+        with _torch_flop_counter() as counter:
+            loss = step(i)
+        counted["flops"] = float(counter.get_total_flops())
+        return loss
+
+    times, losses = timed_steps(first_counted, n_warm, n_timed, on_warm=warm)
     extra = {"trainable_params": sum(p.numel() for p in trainable),
              "total_params": sum(p.numel() for p in model.parameters()),
-             "process_peak_rss": max(process_peak, proc_peak_rss())}
+             "process_peak_rss": max(process_peak, proc_peak_rss()),
+             "step_flops": counted.get("flops")}
     if cfg.device == "gpu":
         extra["device_peak_bytes"] = int(torch.cuda.max_memory_allocated(dev))
     train_peak = proc_peak_rss()
@@ -208,6 +222,31 @@ def torch_row(job: dict) -> dict:
             model = model.merge_and_unload()
         _save_torch(model, job["save"])
     return _finish(job, times, losses, setup_s, train_peak, marks.get("rss", proc_rss()), extra)
+
+
+def _torch_flop_counter():
+    """PyTorch's FLOP counter, taught the fused attention kernels of the CPU.
+
+    ``FlopCounterMode`` counts the CUDA attention kernels but not
+    ``_scaled_dot_product_flash_attention_for_cpu`` (which ``transformers``
+    models reach on the CPU); without these two formulas a CPU step's
+    attention products would count as zero. The formulas are PyTorch's own
+    for the other attention kernels (the backward recomputes the scores, as
+    the CPU kernel does).
+    """
+    import torch
+    from torch.utils import flop_counter
+
+    def forward(q, k, v, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_flop_count(q, k, v)
+
+    def backward(grad, q, k, v, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_backward_flop_count(grad, q, k, v)
+
+    aten = torch.ops.aten
+    mapping = {aten._scaled_dot_product_flash_attention_for_cpu: forward,
+               aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
+    return flop_counter.FlopCounterMode(display=False, custom_mapping=mapping)
 
 
 def _save_torch(model, path: str) -> None:
@@ -305,20 +344,23 @@ def jax_row(job: dict) -> dict:
 
     jitted = jax.jit(step, donate_argnums=(0, 1))
     batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in _load_batches(job)]
+    extra_args = () if job["kind"] == "full" else (state[1],)
     if job["kind"] == "full":
         holder = {"p": state, "o": tx.init(state)}
-
-        def run(i):
-            holder["p"], holder["o"], loss = jitted(holder["p"], holder["o"], batches[i % len(batches)])
-            return loss
     else:
         train, frozen = state
         holder = {"p": train, "o": tx.init(train)}
 
-        def run(i):
-            holder["p"], holder["o"], loss = jitted(holder["p"], holder["o"], batches[i % len(batches)],
-                                                   frozen)
-            return loss
+    def run(i):
+        holder["p"], holder["o"], loss = jitted(holder["p"], holder["o"], batches[i % len(batches)],
+                                               *extra_args)
+        return loss
+
+    def step_flops():
+        import pockjax
+
+        return pockjax.count_flops(jax.make_jaxpr(step)(holder["p"], holder["o"], batches[0], *extra_args),
+                                   matmul_only=True)
     del flat, params, state
 
     def final_params():
@@ -326,10 +368,11 @@ def jax_row(job: dict) -> dict:
             return holder["p"]
         return llama.unflatten_params({**holder["p"], **frozen})
 
-    return _jax_loop(job, cfg, run, t0, trainable_n, final_params, graphdef)
+    return _jax_loop(job, cfg, run, t0, trainable_n, final_params, graphdef, step_flops=step_flops)
 
 
-def _jax_loop(job, cfg, run, t0, trainable_n, final_params, graphdef, compile_s=None) -> dict:
+def _jax_loop(job, cfg, run, t0, trainable_n, final_params, graphdef, compile_s=None,
+              step_flops: Callable[[], float] | None = None) -> dict:
     n_batches = int(np.load(job["data"])["tokens"].shape[0])
     setup_s = time.perf_counter() - t0
     process_peak = proc_peak_rss()
@@ -346,6 +389,8 @@ def _jax_loop(job, cfg, run, t0, trainable_n, final_params, graphdef, compile_s=
     train_peak = proc_peak_rss()
     extra = {"trainable_params": int(trainable_n), "compile_s": compile_s,
              "process_peak_rss": max(process_peak, proc_peak_rss())}
+    if step_flops is not None and job["phase"] == "speed":
+        extra["step_flops"] = float(step_flops())  # after the timed steps: tracing is not setup
     if cfg.device == "gpu":
         import jax
 
@@ -396,8 +441,9 @@ def pockjax_row(job: dict) -> dict:
     opt_state = pockjax.init_opt_state(tx, params, scheme)
     batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in _load_batches(job)]
     tc = time.perf_counter()
-    f.lower(params, opt_state, batches[0])
+    compiled = f.lower(params, opt_state, batches[0])
     compile_s = time.perf_counter() - tc
+    flops = pockjax.count_flops(compiled.graph, matmul_only=True)  # the step after the passes
     holder = {"p": params, "o": opt_state}
     del params, opt_state
 
@@ -406,7 +452,8 @@ def pockjax_row(job: dict) -> dict:
         return loss
 
     trainable_n = scheme.describe(holder["p"]).trainable
-    out = _jax_loop(job, cfg, run, t0, trainable_n, lambda: holder["p"], graphdef, compile_s)
+    out = _jax_loop(job, cfg, run, t0, trainable_n, lambda: holder["p"], graphdef, compile_s,
+                    step_flops=lambda: flops)
     out["xla_options"] = dict(xla_options or {})
     return out
 

@@ -302,10 +302,14 @@ def summarize(raw: list[dict], cfg: BenchConfig, prep: dict | None = None) -> di
             s["compile_s"].append(r["compile_s"])
         s["trainable_params"] = r.get("trainable_params")
         s["first_loss"] = r["losses"][0] if r["losses"] else None
+        if r.get("step_flops"):
+            s["step_flops"] = r["step_flops"]
     tokens = cfg.batch * cfg.seq
     for name, s in speed.items():
         s["step_s"] = median(s["step_times"])
         s["tokens_per_s"] = tokens / s["step_s"] if s["step_times"] else float("nan")
+        if s.get("step_flops") and s["step_times"]:
+            s["gflop_per_s"] = s["step_flops"] / 1e9 / s["step_s"]
     ref = speed.get("torch-full", {}).get("step_s") if speed.get("torch-full", {}).get("step_times") else None
     for s in speed.values():
         s["speedup_vs_torch_full"] = (ref / s["step_s"]) if ref and s["step_times"] else None
@@ -329,6 +333,10 @@ def summarize(raw: list[dict], cfg: BenchConfig, prep: dict | None = None) -> di
                 and speed[base]["step_times"]:
             g["value"] = speed[base]["step_s"] / speed[row]["step_s"]
             g["met"] = g["value"] >= target
+            if speed[row].get("step_flops") and speed[base].get("step_flops"):
+                # value = (the baseline's FLOPs / the row's) x (the row's FLOP rate / the baseline's)
+                g["flop_ratio"] = speed[base]["step_flops"] / speed[row]["step_flops"]
+                g["rate_ratio"] = speed[row]["gflop_per_s"] / speed[base]["gflop_per_s"]
         elif what == "memory" and speed.get(row, {}).get(mem_key) and speed.get(base, {}).get(mem_key):
             g["value"] = speed[row][mem_key] / speed[base][mem_key]
             g["met"] = g["value"] <= target
@@ -433,8 +441,9 @@ def markdown_table(results: dict) -> str:
     acc_head = (f"exact match after {q_steps} steps" if q_steps else "exact match")
     mem_head = "peak GPU memory (GiB)" if gpu else "peak RSS (GiB)"
     mem_key = _memory_key(_device(cfg))
-    lines.append(f"| row | what | step (s) | tokens/s | vs PyTorch full | {mem_head} | trainable | {acc_head} |")
-    lines.append("|---|---|---:|---:|---:|---:|---:|---:|")
+    lines.append(f"| row | what | step (s) | tokens/s | vs PyTorch full | matmul GFLOP/step | GFLOP/s"
+                 f" | {mem_head} | trainable | {acc_head} |")
+    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     names = list(dict.fromkeys(list(results["speed"]) + list(results["quality"])))
     names.sort(key=lambda n: list(ROWS).index(n) if n in ROWS else 99)
     for name in names:
@@ -446,12 +455,20 @@ def markdown_table(results: dict) -> str:
             sp = f"{s['speedup_vs_torch_full']:.2f}x" if s.get("speedup_vs_torch_full") else ""
             rss = _gib(s[mem_key]) if s.get(mem_key) is not None else ""
             tr = f"{s['trainable_params'] / 1e6:.2f}M" if s.get("trainable_params") is not None else ""
+            gf = f"{s['step_flops'] / 1e9:.1f}" if s.get("step_flops") else ""
+            rate = f"{s['gflop_per_s']:.0f}" if s.get("gflop_per_s") else ""
         else:
-            step = tps = sp = rss = tr = "failed" if s else ""
+            step = tps = sp = rss = tr = gf = rate = "failed" if s else ""
         acc = f"{100 * q['accuracy']:.1f}%" if q.get("accuracy") is not None else ("failed" if q.get("error") else "")
         desc = ROWS[name].description if name in ROWS else ""
-        lines.append(f"| {name} | {desc} | {step} | {tps} | {sp} | {rss} | {tr} | {acc} |")
+        lines.append(f"| {name} | {desc} | {step} | {tps} | {sp} | {gf} | {rate} | {rss} | {tr} | {acc} |")
     lines.append("")
+    if any(s.get("step_flops") for s in results["speed"].values()):
+        lines.append("Matmul GFLOP/step: the matrix products of one step, forward and backward, as"
+                     " executed (PyTorch's FlopCounterMode for the PyTorch rows; pockjax.count_flops"
+                     "(matmul_only=True) of the traced step for plain JAX, of the compiled step for"
+                     " pockjax); GFLOP/s: those over the median step time. A speed-up over a baseline is"
+                     " its FLOPs over the row's times the row's GFLOP/s over the baseline's.")
     if q_steps:
         lines.append(f"Quality: {q_steps} AdamW steps of {qs.get('batch')} x {qs.get('seq')} tokens on"
                      f" reverse-words, exact match on {cfg['eval_examples']} held-out examples"
@@ -464,6 +481,9 @@ def markdown_table(results: dict) -> str:
             state = "not measured"
         elif g["what"] == "speed":
             state = f"{g['value']:.2f}x (goal >= {g['target']}x) {'met' if g['met'] else 'NOT met'}"
+            if g.get("flop_ratio"):
+                state += (f"; {g['flop_ratio']:.2f}x fewer matmul FLOPs, run at {g['rate_ratio']:.2f}x"
+                          f" the baseline's GFLOP/s")
         elif g["what"] == "memory":
             state = f"{g['value']:.2f} of it (goal <= {g['target']}) {'met' if g['met'] else 'NOT met'}"
         else:
