@@ -495,7 +495,8 @@ def markdown_table(results: dict) -> str:
 
 
 def plot_results(results: dict, path: str) -> str | None:
-    """Bar chart of tokens/s and peak RSS per row (PNG); None without matplotlib."""
+    """Bar chart of tokens/s, matmul FLOPs per step (when counted) and peak memory
+    per row (PNG); None without matplotlib."""
     try:
         import matplotlib
 
@@ -514,8 +515,13 @@ def plot_results(results: dict, path: str) -> str | None:
     tps = [results["speed"][n]["tokens_per_s"] for n in names]
     rss = [results["speed"][n].get(mem_key, 0) / 2**30 for n in names]
     mem_title = "peak GPU memory, GiB (lower is better)" if gpu else "peak RSS while training, GiB (lower is better)"
-    fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(names) + 1.6))
-    for ax, vals, title in ((axes[0], tps, "tokens / s (higher is better)"), (axes[1], rss, mem_title)):
+    panels = [(tps, "tokens / s (higher is better)", "{:.0f}")]
+    if any(results["speed"][n].get("step_flops") for n in names):
+        flops = [results["speed"][n].get("step_flops", 0) / 1e9 for n in names]
+        panels.append((flops, "matmul GFLOP per step (the work each row does)", "{:.0f}"))
+    panels.append((rss, mem_title, "{:.2f}"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 0.45 * len(names) + 1.6))
+    for ax, (vals, title, fmt) in zip(axes, panels):
         y = np.arange(len(names))
         ax.barh(y, vals, color=col)
         ax.set_yticks(y)
@@ -523,8 +529,7 @@ def plot_results(results: dict, path: str) -> str | None:
         ax.invert_yaxis()
         ax.set_title(title, fontsize=10)
         for yi, val in zip(y, vals):
-            ax.text(val, yi, f" {val:.0f}" if title.startswith("tokens") else f" {val:.2f}",
-                    va="center", fontsize=8)
+            ax.text(val, yi, " " + fmt.format(val), va="center", fontsize=8)
         ax.margins(x=0.15)
     cfg = results["config"]
     m = results["machine"]
