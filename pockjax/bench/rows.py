@@ -321,8 +321,7 @@ def jax_row(job: dict) -> dict:
             updates, opt_state = tx.update(g, opt_state, p)
             return optax.apply_updates(p, updates), opt_state, loss
 
-        state = params
-        trainable_n = sum(int(np.prod(v.shape)) for v in flat.values())
+        trained, extra_args = params, ()
     elif job["kind"] == "frozen":
         scheme = _scheme("paper", config, cfg)
         names = {path for path, _ in scheme.rules}
@@ -337,19 +336,14 @@ def jax_row(job: dict) -> dict:
             updates, opt_state = tx.update(g, opt_state, tr)
             return optax.apply_updates(tr, updates), opt_state, loss
 
-        state = (train, frozen)
-        trainable_n = sum(int(np.prod(v.shape)) for v in train.values())
+        trained, extra_args = train, (frozen,)  # frozen parameters: a plain extra input
     else:
         raise ValueError(f"unknown jax row kind {job['kind']!r}")
 
     jitted = jax.jit(step, donate_argnums=(0, 1))
     batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in _load_batches(job)]
-    extra_args = () if job["kind"] == "full" else (state[1],)
-    if job["kind"] == "full":
-        holder = {"p": state, "o": tx.init(state)}
-    else:
-        train, frozen = state
-        holder = {"p": train, "o": tx.init(train)}
+    trainable_n = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(trained))
+    holder = {"p": trained, "o": tx.init(trained)}
 
     def run(i):
         holder["p"], holder["o"], loss = jitted(holder["p"], holder["o"], batches[i % len(batches)],
@@ -361,7 +355,7 @@ def jax_row(job: dict) -> dict:
 
         return pockjax.count_flops(jax.make_jaxpr(step)(holder["p"], holder["o"], batches[0], *extra_args),
                                    matmul_only=True)
-    del flat, params, state
+    del flat, params, trained
 
     def final_params():
         if frozen is None:
