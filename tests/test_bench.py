@@ -42,6 +42,7 @@ def test_rows_ran_and_results_written(tiny_results):
         assert not s["errors"], s["errors"]
         assert len(s["step_times"]) == 2 and all(t > 0 for t in s["step_times"])
         assert s["train_peak_rss"] > 0 and s["tokens_per_s"] > 0
+        assert [r["rep"] for r in _raw(res, "speed", name)] == [0]  # its round, for --history
     table = (out / "results.md").read_text()
     for name in ("jax-full", "pockjax-full", "pockjax-paper", "jax-frozen"):
         assert f"| {name} |" in table

@@ -24,6 +24,19 @@ def _cmd(args: argparse.Namespace) -> int:
             raise SystemExit(2)
         return out
 
+    if args.history:
+        from pockjax.bench.history import history, history_table
+
+        try:
+            h = history(args.history)
+        except (ValueError, OSError) as e:
+            print(f"pockjax bench --history: {e}", file=sys.stderr)
+            return 2
+        if not h["runs"]:
+            print("pockjax bench --history: none of these runs has a speed phase", file=sys.stderr)
+            return 2
+        print(history_table(h), end="")
+        return 0
     if args.merge:
         from pockjax.bench.runner import markdown_table, merge
 
@@ -106,5 +119,8 @@ def register(subparsers) -> None:
     p.add_argument("--list", action="store_true", help="list the rows and exit")
     p.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
                    help="combine earlier runs' results.json (a speed run and a quality run) into --out")
+    p.add_argument("--history", nargs="+", metavar="RUN",
+                   help="print the speed goals of earlier runs (results.json files or their"
+                        " directories) side by side, round by round, and exit")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd)

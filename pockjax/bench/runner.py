@@ -251,6 +251,7 @@ def run(cfg: BenchConfig, *, rows: Sequence[str] | None = None, reps: int = 2,
                 job = {**base, "row": name, "phase": "speed", "rep": rep, "data": d["path"],
                        "window": d["window"]}
                 res = _run_job(job, workdir, timeout, env)
+                res["rep"] = rep  # the round, for per-round ratios (pockjax bench --history)
                 if "error" in res:
                     log(f"{name} (round {rep + 1}) failed: {res['error'].strip().splitlines()[-1]}")
                 raw.append(res)

@@ -1,0 +1,171 @@
+"""The speed goals over many runs of ``pockjax bench`` (``pockjax bench --history``).
+
+One run's ratio is a median of noisy step times: on a machine whose speed
+drifts between sittings it can land on either side of a goal. This module reads
+several runs' ``results.json`` and puts each speed goal of every run side by
+side, with the ratio of every round (the row's and its baseline's processes of
+the same round, which ran minutes apart) and a summary over all runs, so a
+reader sees the spread instead of one draw.
+
+Example:
+  >>> raw = [{"row": "torch-full", "phase": "speed", "rep": r, "step_times": [t]}
+  ...        for r, t in enumerate([3.0, 2.0])]
+  >>> raw += [{"row": "pockjax-full", "phase": "speed", "rep": r, "step_times": [t]}
+  ...         for r, t in enumerate([2.0, 1.6])]
+  >>> run = {"date": "2026-01-01 00:00 UTC", "machine": {"cpu": "x", "cores": 2}, "raw": raw,
+  ...        "speed": {"torch-full": {"step_s": 2.5}, "pockjax-full": {"step_s": 1.8}}}
+  >>> g = goal_history(run)[("pockjax-full", "torch-full")]
+  >>> round(g["value"], 3), [round(x, 3) for x in g["rounds"]], g["rounds_met"]
+  (1.389, [1.5, 1.25], 1)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+from pockjax.bench.common import median
+
+__all__ = ["SPEED_GOALS", "goal_history", "load_runs", "history", "history_table"]
+
+#: The speed goals (row, baseline, target) of :data:`pockjax.bench.runner.GOALS`.
+SPEED_GOALS = (
+    ("pockjax-paper", "torch-lora", 2.0),
+    ("pockjax-paper", "torch-full", 3.0),
+    ("pockjax-full", "torch-full", 1.3),
+)
+
+
+def _rounds(raw: list[dict], row: str) -> dict[int, list[float]]:
+    """Step times of ``row``'s speed processes by round.
+
+    Runs written before results carried ``rep`` list a row's processes in round
+    order (the runner appends them round by round), so the k-th is round k.
+    """
+    out: dict[int, list[float]] = {}
+    k = 0
+    for r in raw:
+        if r.get("phase") != "speed" or r.get("row") != row:
+            continue
+        rep = r.get("rep", k)
+        k += 1
+        if r.get("step_times"):
+            out[rep] = list(r["step_times"])
+    return out
+
+
+def goal_history(run: dict, goals: Sequence[tuple] = SPEED_GOALS) -> dict[tuple[str, str], dict]:
+    """Each speed goal of one run: its value, target, and the ratio of every round.
+
+    A goal whose row or baseline the run lacks is left out.
+
+    Args:
+      run: A ``results.json`` of ``pockjax bench`` (loaded).
+      goals: ``(row, baseline, target)`` triples.
+
+    Returns:
+      ``{(row, baseline): {"value", "target", "met", "rounds", "rounds_met"}}``:
+      ``value`` the run's ratio of median step times (the baseline's over the
+      row's, as the run's table gives it), ``rounds`` the same ratio per round.
+    """
+    speed = run.get("speed", {})
+    out = {}
+    for row, base, target in goals:
+        if not speed.get(row, {}).get("step_s") or not speed.get(base, {}).get("step_s"):
+            continue
+        value = speed[base]["step_s"] / speed[row]["step_s"]
+        a, b = _rounds(run.get("raw", []), row), _rounds(run.get("raw", []), base)
+        rounds = [median(b[k]) / median(a[k]) for k in sorted(set(a) & set(b))]
+        out[(row, base)] = {"value": value, "target": target, "met": value >= target,
+                            "rounds": rounds, "rounds_met": sum(x >= target for x in rounds)}
+    return out
+
+
+def load_runs(paths: Sequence[str]) -> list[tuple[str, dict]]:
+    """``(path, results)`` of each ``results.json`` (or a directory holding one),
+    oldest first by the run's date; runs without a speed phase are left out.
+
+    Raises:
+      ValueError: a path that is neither a results file nor a directory with one.
+    """
+    runs = []
+    for p in paths:
+        f = os.path.join(p, "results.json") if os.path.isdir(p) else p
+        if not os.path.isfile(f):
+            raise ValueError(f"no results.json at {p!r}: give a run's results.json or its directory")
+        with open(f, encoding="utf-8") as fh:
+            try:
+                res = json.load(fh)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{f} is not a results.json of pockjax bench: {e}") from None
+        if not isinstance(res, dict) or "raw" not in res or "date" not in res:
+            raise ValueError(f"{f} is not a results.json of pockjax bench (no 'raw' or 'date')")
+        if res.get("speed"):
+            runs.append((f, res))
+    runs.sort(key=lambda pr: pr[1]["date"])
+    return runs
+
+
+def history(paths: Sequence[str], goals: Sequence[tuple] = SPEED_GOALS) -> dict:
+    """The speed goals over the runs at ``paths``.
+
+    Returns:
+      ``{"runs": [{"path", "date", "cpu", "goals"}], "summary": {(row, baseline):
+      {"target", "runs", "runs_met", "median", "min", "max", "rounds", "rounds_met"}},
+      "complete": runs that measured every goal, "all_met": those of them that met
+      every goal}``. Runs that measure none of the goals are left out.
+    """
+    runs = []
+    for path, res in load_runs(paths):
+        g = goal_history(res, goals)
+        if g:  # a run of other rows measures none of the goals
+            runs.append({"path": path, "date": res["date"], "cpu": res.get("machine", {}).get("cpu", "?"),
+                         "goals": g})
+    summary = {}
+    for row, base, target in goals:
+        vals = [r["goals"][(row, base)] for r in runs if (row, base) in r["goals"]]
+        if not vals:
+            continue
+        xs = [v["value"] for v in vals]
+        summary[(row, base)] = {"target": target, "runs": len(xs), "runs_met": sum(v["met"] for v in vals),
+                                "median": median(xs), "min": min(xs), "max": max(xs),
+                                "rounds": sum(len(v["rounds"]) for v in vals),
+                                "rounds_met": sum(v["rounds_met"] for v in vals)}
+    complete = [r for r in runs if len(r["goals"]) == len(goals)]
+    all_met = sum(all(g["met"] for g in r["goals"].values()) for r in complete)
+    return {"runs": runs, "summary": summary, "all_met": all_met, "complete": len(complete)}
+
+
+def _label(row: str, base: str, target: float) -> str:
+    short = {"pockjax-paper": "paper", "pockjax-full": "pockjax full", "torch-lora": "LoRA",
+             "torch-full": "PyTorch full"}
+    return f"{short.get(row, row)} vs {short.get(base, base)} (goal {target:g}x)"
+
+
+def history_table(h: dict, goals: Sequence[tuple] = SPEED_GOALS) -> str:
+    """:func:`history` as markdown: a line per run (each goal's ratio, its rounds
+    in brackets, ``*`` where met) and the summary over runs."""
+    present = [(r, b, t) for r, b, t in goals if (r, b) in h["summary"]]
+    head = "| run | date | CPU | " + " | ".join(_label(*g) for g in present) + " |"
+    lines = [head, "|---|---|---|" + "---|" * len(present)]
+    for run in h["runs"]:
+        cells = []
+        for row, base, _ in present:
+            g = run["goals"].get((row, base))
+            if g is None:
+                cells.append("")
+                continue
+            rounds = " / ".join(f"{x:.2f}" for x in g["rounds"])
+            cells.append(f"{g['value']:.2f}x{' *' if g['met'] else ''} ({rounds})")
+        name = os.path.basename(os.path.dirname(run["path"])) or run["path"]
+        lines.append(f"| {name} | {run['date']} | {run['cpu']} | " + " | ".join(cells) + " |")
+    lines += ["", "* met in that run; in brackets: the ratio in each round.", ""]
+    for row, base, target in present:
+        s = h["summary"][(row, base)]
+        lines.append(f"- {_label(row, base, target)}: median {s['median']:.2f}x over {s['runs']} runs"
+                     f" ({s['min']:.2f}x-{s['max']:.2f}x); met in {s['runs_met']} of {s['runs']} runs"
+                     f" and {s['rounds_met']} of {s['rounds']} rounds")
+    lines.append(f"- every speed goal met in the same run: {h['all_met']} of the {h['complete']} runs"
+                 f" that measured all {len(goals)}")
+    return "\n".join(lines) + "\n"
