@@ -160,7 +160,7 @@ def history_table(h: dict, goals: Sequence[tuple] = SPEED_GOALS) -> str:
             cells.append(f"{g['value']:.2f}x{' *' if g['met'] else ''} ({rounds})")
         name = os.path.basename(os.path.dirname(run["path"])) or run["path"]
         lines.append(f"| {name} | {run['date']} | {run['cpu']} | " + " | ".join(cells) + " |")
-    lines += ["", "* met in that run; in brackets: the ratio in each round.", ""]
+    lines += ["", "`*`: met in that run; in brackets: the ratio in each round.", ""]
     for row, base, target in present:
         s = h["summary"][(row, base)]
         lines.append(f"- {_label(row, base, target)}: median {s['median']:.2f}x over {s['runs']} runs"
