@@ -87,10 +87,14 @@ def test_history_agrees_with_each_committed_run():
 def test_cli_history_and_bad_input(tmp_path, capsys):
     from pockjax.cli import main
 
+    png = tmp_path / "history.png"
     assert main(["bench", "--history", os.path.join(RESULTS, "speed_20261123f"),
-                 os.path.join(RESULTS, "speed_20261123g")]) == 0
+                 os.path.join(RESULTS, "speed_20261123g"), "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "| speed_20261123g |" in out and "met in" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert main(["bench", "--plot", str(png)]) == 2
+    assert "--plot goes with --history" in capsys.readouterr().err
     assert main(["bench", "--history", str(tmp_path / "nope")]) == 2
     assert "no results.json" in capsys.readouterr().err
     (tmp_path / "results.json").write_text("{not json")

@@ -36,7 +36,17 @@ def _cmd(args: argparse.Namespace) -> int:
             print("pockjax bench --history: none of these runs has a speed phase", file=sys.stderr)
             return 2
         print(history_table(h), end="")
+        if args.plot:
+            from pockjax.bench.history import plot_history
+
+            if plot_history(h, args.plot) is None:
+                print("pockjax bench --plot: needs matplotlib (pip install matplotlib)", file=sys.stderr)
+                return 2
+            print(f"written: {args.plot}")
         return 0
+    if args.plot and not args.history:
+        print("pockjax bench: --plot goes with --history", file=sys.stderr)
+        return 2
     if args.merge:
         from pockjax.bench.runner import markdown_table, merge
 
@@ -122,5 +132,6 @@ def register(subparsers) -> None:
     p.add_argument("--history", nargs="+", metavar="RUN",
                    help="print the speed goals of earlier runs (results.json files or their"
                         " directories) side by side, round by round, and exit")
+    p.add_argument("--plot", metavar="PNG", help="with --history: also draw the runs' ratios to PNG")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd)

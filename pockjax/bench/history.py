@@ -27,7 +27,7 @@ from typing import Sequence
 
 from pockjax.bench.common import median
 
-__all__ = ["SPEED_GOALS", "goal_history", "load_runs", "history", "history_table"]
+__all__ = ["SPEED_GOALS", "goal_history", "load_runs", "history", "history_table", "plot_history"]
 
 #: The speed goals (row, baseline, target) of :data:`pockjax.bench.runner.GOALS`.
 SPEED_GOALS = (
@@ -169,3 +169,43 @@ def history_table(h: dict, goals: Sequence[tuple] = SPEED_GOALS) -> str:
     lines.append(f"- every speed goal met in the same run: {h['all_met']} of the {h['complete']} runs"
                  f" that measured all {len(goals)}")
     return "\n".join(lines) + "\n"
+
+
+def plot_history(h: dict, path: str, goals: Sequence[tuple] = SPEED_GOALS) -> str | None:
+    """A panel per speed goal: each run's ratio (a bar) and its rounds' ratios
+    (dots) against the goal (a line), oldest run first (PNG); None without
+    matplotlib or runs."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    present = [(r, b, t) for r, b, t in goals if (r, b) in h["summary"]]
+    if not present:
+        return None
+    runs = h["runs"]
+    names = [os.path.basename(os.path.dirname(r["path"])) or r["path"] for r in runs]
+    fig, axes = plt.subplots(len(present), 1, figsize=(max(6.0, 0.55 * len(runs) + 2), 2.6 * len(present)),
+                             sharex=True, squeeze=False)
+    for ax, (row, base, target) in zip(axes[:, 0], present):
+        for i, run in enumerate(runs):
+            g = run["goals"].get((row, base))
+            if g is None:
+                continue
+            ax.bar(i, g["value"], color="#3377cc" if g["met"] else "#aabbcc", width=0.6)
+            ax.plot([i] * len(g["rounds"]), g["rounds"], "o", color="#333333", markersize=3)
+        ax.axhline(target, color="#cc3333", linewidth=1)
+        s = h["summary"][(row, base)]
+        ax.set_title(f"{_label(row, base, target)}: median {s['median']:.2f}x,"
+                     f" met in {s['runs_met']} of {s['runs']} runs", fontsize=10)
+        ax.set_ylabel("speed-up")
+    axes[-1, 0].set_xticks(range(len(runs)))
+    axes[-1, 0].set_xticklabels(names, rotation=45, ha="right", fontsize=8)
+    fig.suptitle("pockjax bench --history: bars = a run's ratio (dark: goal met), dots = its rounds,"
+                 " line = the goal", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
