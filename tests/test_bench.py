@@ -23,6 +23,22 @@ def _raw(results, phase, row):
     return [r for r in results["raw"] if r["phase"] == phase and r["row"] == row]
 
 
+def _tiny_forward_matmul_flops() -> float:
+    """Matrix-product FLOPs of one forward pass of the tiny model on a TINY batch."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import pockjax
+    from pockjax.bench.common import random_config
+    from pockjax.models import llama
+
+    graphdef, params = llama.split(llama.Llama(random_config("tiny"), rngs=nnx.Rngs(0)))
+    tokens = jnp.zeros((TINY["batch"], TINY["seq"]), jnp.int32)
+    return pockjax.count_flops(jax.make_jaxpr(lambda p, t: llama.apply(graphdef, p, t))(params, tokens),
+                               matmul_only=True)
+
+
 @pytest.fixture(scope="module")
 def tiny_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
@@ -54,19 +70,8 @@ def test_rows_count_their_matmul_flops(tiny_results):
     step does every product of the forward pass three times (forward, activation
     gradient, weight gradient); pockjax's answer-window loss and the sparse scheme
     each remove some."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    import pockjax
-    from pockjax.bench.common import random_config
-    from pockjax.models import llama
-
     res, _ = tiny_results
-    graphdef, params = llama.split(llama.Llama(random_config("tiny"), rngs=nnx.Rngs(0)))
-    tokens = jnp.zeros((TINY["batch"], TINY["seq"]), jnp.int32)
-    forward = pockjax.count_flops(jax.make_jaxpr(lambda p, t: llama.apply(graphdef, p, t))(params, tokens),
-                                  matmul_only=True)
+    forward = _tiny_forward_matmul_flops()
     flops = {n: res["speed"][n]["step_flops"] for n in ("jax-full", "pockjax-full", "pockjax-paper")}
     assert flops["jax-full"] == pytest.approx(3 * forward, rel=1e-9)
     assert 0 < flops["pockjax-paper"] < flops["pockjax-full"] < flops["jax-full"]
@@ -110,19 +115,11 @@ def test_pytorch_rows_match_pockjax(tmp_path):
     # PyTorch's count of the full step: the products of plain JAX's (3x the forward
     # pass), but the CPU attention kernel's backward recomputes the scores: 5
     # attention products instead of 4, so the two counts differ by the cost of one.
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    import pockjax
     from pockjax.bench.common import random_config
-    from pockjax.models import llama
 
     c = random_config("tiny")
-    graphdef, params = llama.split(llama.Llama(c, rngs=nnx.Rngs(0)))
     b, t = TINY["batch"], TINY["seq"]
-    forward = pockjax.count_flops(jax.make_jaxpr(lambda p, x: llama.apply(graphdef, p, x))(
-        params, jnp.zeros((b, t), jnp.int32)), matmul_only=True)
+    forward = _tiny_forward_matmul_flops()
     one_attention_product = 2 * b * c.n_heads * t * t * c.head_dim_ * c.n_layers
     assert res["speed"]["torch-full"]["step_flops"] == pytest.approx(3 * forward + one_attention_product, rel=1e-9)
     assert res["speed"]["torch-lora"]["step_flops"] > forward

@@ -44,7 +44,7 @@ def _cmd(args: argparse.Namespace) -> int:
                 return 2
             print(f"written: {args.plot}")
         return 0
-    if args.plot and not args.history:
+    if args.plot:  # without --history
         print("pockjax bench: --plot goes with --history", file=sys.stderr)
         return 2
     if args.merge:

@@ -8,12 +8,12 @@ the same round, which ran minutes apart) and a summary over all runs, so a
 reader sees the spread instead of one draw.
 
 Example:
-  >>> raw = [{"row": "torch-full", "phase": "speed", "rep": r, "step_times": [t]}
-  ...        for r, t in enumerate([3.0, 2.0])]
-  >>> raw += [{"row": "pockjax-full", "phase": "speed", "rep": r, "step_times": [t]}
-  ...         for r, t in enumerate([2.0, 1.6])]
-  >>> run = {"date": "2026-01-01 00:00 UTC", "machine": {"cpu": "x", "cores": 2}, "raw": raw,
-  ...        "speed": {"torch-full": {"step_s": 2.5}, "pockjax-full": {"step_s": 1.8}}}
+  >>> from pockjax.bench.common import BenchConfig
+  >>> from pockjax.bench.runner import summarize
+  >>> raw = [{"row": row, "phase": "speed", "rep": r, "step_times": [t], "losses": [], "setup_s": 0,
+  ...         "train_peak_rss": 1} for row, ts in (("torch-full", [3.0, 2.0]), ("pockjax-full", [2.0, 1.6]))
+  ...        for r, t in enumerate(ts)]
+  >>> run = summarize(raw, BenchConfig(model="tiny"))
   >>> g = goal_history(run)[("pockjax-full", "torch-full")]
   >>> round(g["value"], 3), [round(x, 3) for x in g["rounds"]], g["rounds_met"]
   (1.389, [1.5, 1.25], 1)
@@ -26,15 +26,12 @@ import os
 from typing import Sequence
 
 from pockjax.bench.common import median
+from pockjax.bench.runner import GOALS
 
 __all__ = ["SPEED_GOALS", "goal_history", "load_runs", "history", "history_table", "plot_history"]
 
-#: The speed goals (row, baseline, target) of :data:`pockjax.bench.runner.GOALS`.
-SPEED_GOALS = (
-    ("pockjax-paper", "torch-lora", 2.0),
-    ("pockjax-paper", "torch-full", 3.0),
-    ("pockjax-full", "torch-full", 1.3),
-)
+#: The speed goals ``(row, baseline, target)`` of :data:`pockjax.bench.runner.GOALS`.
+SPEED_GOALS = tuple((row, base, target) for row, base, what, target in GOALS if what == "speed")
 
 
 def _rounds(raw: list[dict], row: str) -> dict[int, list[float]]:
@@ -55,30 +52,26 @@ def _rounds(raw: list[dict], row: str) -> dict[int, list[float]]:
     return out
 
 
-def goal_history(run: dict, goals: Sequence[tuple] = SPEED_GOALS) -> dict[tuple[str, str], dict]:
-    """Each speed goal of one run: its value, target, and the ratio of every round.
-
-    A goal whose row or baseline the run lacks is left out.
+def goal_history(run: dict) -> dict[tuple[str, str], dict]:
+    """Each speed goal one run measured, as it recorded it, with the ratio of every round.
 
     Args:
       run: A ``results.json`` of ``pockjax bench`` (loaded).
-      goals: ``(row, baseline, target)`` triples.
 
     Returns:
       ``{(row, baseline): {"value", "target", "met", "rounds", "rounds_met"}}``:
-      ``value`` the run's ratio of median step times (the baseline's over the
-      row's, as the run's table gives it), ``rounds`` the same ratio per round.
+      ``value``, ``target`` and ``met`` the run's own goal (the ratio of median
+      step times, the baseline's over the row's), ``rounds`` that ratio per round.
     """
-    speed = run.get("speed", {})
     out = {}
-    for row, base, target in goals:
-        if not speed.get(row, {}).get("step_s") or not speed.get(base, {}).get("step_s"):
+    for g in run.get("goals", []):
+        if g["what"] != "speed" or g["value"] is None:
             continue
-        value = speed[base]["step_s"] / speed[row]["step_s"]
-        a, b = _rounds(run.get("raw", []), row), _rounds(run.get("raw", []), base)
+        a, b = _rounds(run.get("raw", []), g["row"]), _rounds(run.get("raw", []), g["baseline"])
         rounds = [median(b[k]) / median(a[k]) for k in sorted(set(a) & set(b))]
-        out[(row, base)] = {"value": value, "target": target, "met": value >= target,
-                            "rounds": rounds, "rounds_met": sum(x >= target for x in rounds)}
+        out[(g["row"], g["baseline"])] = {"value": g["value"], "target": g["target"], "met": g["met"],
+                                          "rounds": rounds,
+                                          "rounds_met": sum(x >= g["target"] for x in rounds)}
     return out
 
 
@@ -108,20 +101,21 @@ def load_runs(paths: Sequence[str]) -> list[tuple[str, dict]]:
 
 
 def history(paths: Sequence[str], goals: Sequence[tuple] = SPEED_GOALS) -> dict:
-    """The speed goals over the runs at ``paths``.
+    """The speed goals (``goals``, in this order) over the runs at ``paths``.
 
     Returns:
-      ``{"runs": [{"path", "date", "cpu", "goals"}], "summary": {(row, baseline):
+      ``{"runs": [{"name", "path", "date", "cpu", "goals"}], "goals": those of ``goals``
+      some run measured, "summary": {(row, baseline):
       {"target", "runs", "runs_met", "median", "min", "max", "rounds", "rounds_met"}},
       "complete": runs that measured every goal, "all_met": those of them that met
       every goal}``. Runs that measure none of the goals are left out.
     """
     runs = []
     for path, res in load_runs(paths):
-        g = goal_history(res, goals)
+        g = goal_history(res)
         if g:  # a run of other rows measures none of the goals
-            runs.append({"path": path, "date": res["date"], "cpu": res.get("machine", {}).get("cpu", "?"),
-                         "goals": g})
+            runs.append({"name": os.path.basename(os.path.dirname(path)) or path, "path": path,
+                         "date": res["date"], "cpu": res.get("machine", {}).get("cpu", "?"), "goals": g})
     summary = {}
     for row, base, target in goals:
         vals = [r["goals"][(row, base)] for r in runs if (row, base) in r["goals"]]
@@ -132,9 +126,10 @@ def history(paths: Sequence[str], goals: Sequence[tuple] = SPEED_GOALS) -> dict:
                                 "median": median(xs), "min": min(xs), "max": max(xs),
                                 "rounds": sum(len(v["rounds"]) for v in vals),
                                 "rounds_met": sum(v["rounds_met"] for v in vals)}
-    complete = [r for r in runs if len(r["goals"]) == len(goals)]
-    all_met = sum(all(g["met"] for g in r["goals"].values()) for r in complete)
-    return {"runs": runs, "summary": summary, "all_met": all_met, "complete": len(complete)}
+    complete = [r for r in runs if all((row, base) in r["goals"] for row, base, _ in goals)]
+    all_met = sum(all(r["goals"][(row, base)]["met"] for row, base, _ in goals) for r in complete)
+    return {"runs": runs, "goals": [g for g in goals if g[:2] in summary], "summary": summary,
+            "all_met": all_met, "complete": len(complete), "n_goals": len(goals)}
 
 
 def _label(row: str, base: str, target: float) -> str:
@@ -143,10 +138,10 @@ def _label(row: str, base: str, target: float) -> str:
     return f"{short.get(row, row)} vs {short.get(base, base)} (goal {target:g}x)"
 
 
-def history_table(h: dict, goals: Sequence[tuple] = SPEED_GOALS) -> str:
+def history_table(h: dict) -> str:
     """:func:`history` as markdown: a line per run (each goal's ratio, its rounds
     in brackets, ``*`` where met) and the summary over runs."""
-    present = [(r, b, t) for r, b, t in goals if (r, b) in h["summary"]]
+    present = h["goals"]
     head = "| run | date | CPU | " + " | ".join(_label(*g) for g in present) + " |"
     lines = [head, "|---|---|---|" + "---|" * len(present)]
     for run in h["runs"]:
@@ -158,8 +153,7 @@ def history_table(h: dict, goals: Sequence[tuple] = SPEED_GOALS) -> str:
                 continue
             rounds = " / ".join(f"{x:.2f}" for x in g["rounds"])
             cells.append(f"{g['value']:.2f}x{' *' if g['met'] else ''} ({rounds})")
-        name = os.path.basename(os.path.dirname(run["path"])) or run["path"]
-        lines.append(f"| {name} | {run['date']} | {run['cpu']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {run['name']} | {run['date']} | {run['cpu']} | " + " | ".join(cells) + " |")
     lines += ["", "`*`: met in that run; in brackets: the ratio in each round.", ""]
     for row, base, target in present:
         s = h["summary"][(row, base)]
@@ -167,11 +161,11 @@ def history_table(h: dict, goals: Sequence[tuple] = SPEED_GOALS) -> str:
                      f" ({s['min']:.2f}x-{s['max']:.2f}x); met in {s['runs_met']} of {s['runs']} runs"
                      f" and {s['rounds_met']} of {s['rounds']} rounds")
     lines.append(f"- every speed goal met in the same run: {h['all_met']} of the {h['complete']} runs"
-                 f" that measured all {len(goals)}")
+                 f" that measured all {h['n_goals']}")
     return "\n".join(lines) + "\n"
 
 
-def plot_history(h: dict, path: str, goals: Sequence[tuple] = SPEED_GOALS) -> str | None:
+def plot_history(h: dict, path: str) -> str | None:
     """A panel per speed goal: each run's ratio (a bar) and its rounds' ratios
     (dots) against the goal (a line), oldest run first (PNG); None without
     matplotlib or runs."""
@@ -182,11 +176,10 @@ def plot_history(h: dict, path: str, goals: Sequence[tuple] = SPEED_GOALS) -> st
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    present = [(r, b, t) for r, b, t in goals if (r, b) in h["summary"]]
+    present = h["goals"]
     if not present:
         return None
     runs = h["runs"]
-    names = [os.path.basename(os.path.dirname(r["path"])) or r["path"] for r in runs]
     fig, axes = plt.subplots(len(present), 1, figsize=(max(6.0, 0.55 * len(runs) + 2), 2.6 * len(present)),
                              sharex=True, squeeze=False)
     for ax, (row, base, target) in zip(axes[:, 0], present):
@@ -202,7 +195,7 @@ def plot_history(h: dict, path: str, goals: Sequence[tuple] = SPEED_GOALS) -> st
                      f" met in {s['runs_met']} of {s['runs']} runs", fontsize=10)
         ax.set_ylabel("speed-up")
     axes[-1, 0].set_xticks(range(len(runs)))
-    axes[-1, 0].set_xticklabels(names, rotation=45, ha="right", fontsize=8)
+    axes[-1, 0].set_xticklabels([r["name"] for r in runs], rotation=45, ha="right", fontsize=8)
     fig.suptitle("pockjax bench --history: bars = a run's ratio (dark: goal met), dots = its rounds,"
                  " line = the goal", fontsize=9)
     fig.tight_layout()

@@ -428,7 +428,8 @@ def markdown_table(results: dict) -> str:
     cfg = results["config"]
     m = results["machine"]
     v = results["versions"]
-    gpu = _device(cfg) == "gpu"
+    device = _device(cfg)
+    gpu = device == "gpu"
     where = (f"{m.get('gpu', 'GPU')} ({_gib(m.get('gpu_memory_bytes', 0))} GiB usable), host {m['cpu']}"
              if gpu else f"{m['cpu']}, {m['cores']} cores")
     lines = [f"SmolLM2-135M-Instruct fp32 fine-tuning step, batch {cfg['batch']} x {cfg['seq']} tokens"
@@ -441,7 +442,7 @@ def markdown_table(results: dict) -> str:
     qs = results.get("quality_shape") or {}
     acc_head = (f"exact match after {q_steps} steps" if q_steps else "exact match")
     mem_head = "peak GPU memory (GiB)" if gpu else "peak RSS (GiB)"
-    mem_key = _memory_key(_device(cfg))
+    mem_key = _memory_key(device)
     lines.append(f"| row | what | step (s) | tokens/s | vs PyTorch full | matmul GFLOP/step | GFLOP/s"
                  f" | {mem_head} | trainable | {acc_head} |")
     lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -511,8 +512,9 @@ def plot_results(results: dict, path: str) -> str | None:
         return None
     colors = {"torch": "#ee6633", "jax": "#8899aa", "pockjax": "#3377cc"}
     col = [colors.get(ROWS[n].framework, "#999999") if n in ROWS else "#999999" for n in names]
-    gpu = _device(results["config"]) == "gpu"
-    mem_key = _memory_key(_device(results["config"]))
+    device = _device(results["config"])
+    gpu = device == "gpu"
+    mem_key = _memory_key(device)
     tps = [results["speed"][n]["tokens_per_s"] for n in names]
     rss = [results["speed"][n].get(mem_key, 0) / 2**30 for n in names]
     mem_title = "peak GPU memory, GiB (lower is better)" if gpu else "peak RSS while training, GiB (lower is better)"
