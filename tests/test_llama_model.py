@@ -222,6 +222,46 @@ def test_answer_loss_runs_the_last_block_on_the_window_only(model):
     assert rows_of == [2 * 3, 2 * 3, 2 * 12, 2 * 12], rows_of
 
 
+def test_blocked_causal_attention_equals_one_piece():
+    # attn_block_rows=4 cuts 12 queries into 3 blocks, each attending to the
+    # keys up to its end: same logits (to the numpy reference too), same
+    # gradients, and attention products over 4, 8 and 12 keys, not 12 each.
+    blocked = _model(attn_block_rows=4)
+    whole = llama.Llama(blocked.config.replace(attn_block_rows=None), rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(4), (2, 12), 0, 128)
+    np.testing.assert_allclose(_fwd(blocked, tokens), _fwd(whole, tokens), atol=1e-5)
+    ref = _np_forward(_flat_np(blocked), blocked.config, np.asarray(tokens[1]))
+    np.testing.assert_allclose(np.asarray(_fwd(blocked, tokens))[1], ref, atol=2e-5, rtol=1e-4)
+    mask = jnp.array([[1] * 9 + [0] * 3, [0, 0] + [1] * 10])  # right and left padding
+    np.testing.assert_allclose(_fwd(blocked, tokens, mask) * mask[:, :, None],
+                               _fwd(whole, tokens, mask) * mask[:, :, None], atol=1e-5)
+    batch = {"tokens": tokens, "targets": jnp.roll(tokens, -1, axis=1),
+             "loss_mask": jnp.zeros((2, 12)).at[0, 5:8].set(1).at[1, 8:11].set(1),
+             "loss_start": jnp.array([5, 8])}
+    results = []
+    for m in (blocked, whole):
+        graphdef, params = llama.split(m)
+        results.append(jax.jit(jax.value_and_grad(
+            lambda p, g=graphdef: llama.answer_loss(llama.merge(g, p), batch, 3)))(params))
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 results[0][1], results[1][1])
+    # scanned layers take the blocks too
+    np.testing.assert_allclose(_fwd(stack_layers(blocked), tokens), _fwd(whole, tokens), atol=1e-5)
+
+    def key_lengths(m):
+        jaxpr = jax.make_jaxpr(lambda t: m(t))(tokens).jaxpr
+        return sorted(e.outvars[0].aval.shape[-1] for e in jaxpr.eqns if e.primitive.name == "dot_general"
+                      and len(e.outvars[0].aval.shape) == 4 and e.outvars[0].aval.shape[-1] != 16)
+
+    n_layers = blocked.config.n_layers
+    assert key_lengths(blocked) == sorted([4, 8, 12] * n_layers), key_lengths(blocked)
+    assert key_lengths(whole) == [12] * n_layers
+    assert llama.causal_query_blocks(12, 4) == 3 and llama.causal_query_blocks(12, None) == 1
+    with pytest.raises(ValueError, match="attn_block_rows"):
+        LlamaConfig.tiny(attn_block_rows=0)
+
+
 def test_split_apply_and_loss_gradients(model):
     graphdef, params = llama.split(model)
     tokens = jnp.array([[1, 2, 3, 4, 5]])

@@ -28,6 +28,11 @@ class LlamaConfig:
             leading layer axis and run with ``jax.lax.scan``; otherwise they are a
             list ``layers.0``, ``layers.1``, ...
         head_dim: Width of one attention head; ``None`` means ``dim // n_heads``.
+        attn_block_rows: Causal self-attention over ``t`` tokens runs in query
+            blocks of at least this many rows, each attending only to the keys
+            up to its end, which skips the masked part of the attention
+            products (:func:`pockjax.models.llama.causal_query_blocks`);
+            ``None`` attends in one piece. Results are the same either way.
 
     Example:
         >>> cfg = LlamaConfig.tiny()
@@ -49,8 +54,12 @@ class LlamaConfig:
     max_seq_len: int = 2048
     scan_layers: bool = False
     head_dim: int | None = None
+    attn_block_rows: int | None = 64
 
     def __post_init__(self):
+        if self.attn_block_rows is not None and self.attn_block_rows < 1:
+            raise ValueError(f"attn_block_rows={self.attn_block_rows} must be at least 1"
+                             f" (or None to attend in one piece)")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                     f"n_heads={self.n_heads} must be a multiple of"

@@ -44,6 +44,7 @@ __all__ = [
     "Llama",
     "apply",
     "causal_mask",
+    "causal_query_blocks",
     "flatten_params",
     "init_cache",
     "merge",
@@ -150,6 +151,48 @@ def causal_mask(query_slots: jax.Array, key_valid: jax.Array) -> jax.Array:
     return (key_slots[None, None, :] <= query_slots[:, :, None]) & key_valid[:, None, :]
 
 
+def causal_query_blocks(t: int, min_rows: int | None = 64) -> int:
+    """How many query blocks causal self-attention over ``t`` tokens is cut into.
+
+    Query block ``j`` of a causal mask sees no key after its own last row, so
+    attention can run block by block on a growing prefix of the keys and skip
+    the masked blocks above the diagonal (with 2 blocks a quarter of the
+    attention products and softmax, with many nearly half). Blocks of fewer
+    than ``min_rows`` queries cost more in extra operations than they save, so
+    ``t`` is cut into the most blocks of at least ``min_rows`` rows that
+    divide it evenly (1: attend in one piece; ``min_rows`` None or 0: always
+    1). :meth:`Llama.hidden_states` uses ``config.attn_block_rows``.
+
+    Example:
+      >>> causal_query_blocks(128), causal_query_blocks(1024), causal_query_blocks(96)
+      (2, 16, 1)
+      >>> causal_query_blocks(1024, min_rows=None)
+      1
+    """
+    if not min_rows:
+        return 1
+    for nb in range(t // min_rows, 1, -1):
+        if t % nb == 0:
+            return nb
+    return 1
+
+
+def _attend(qh: jax.Array, kh: jax.Array, vh: jax.Array, mask: jax.Array, groups: int) -> jax.Array:
+    # qh: (b, kv, groups * t, hd), the query heads of each kv head stacked as
+    # rows; kh, vh: (b, kv, s, hd); mask: bool (b, t, s) -> (b, kv, groups * t, hd).
+    b, kv, gt, hd = qh.shape
+    t, s_len = gt // groups, kh.shape[2]
+    scores = jnp.einsum("bkrd,bksd->bkrs", qh, kh,
+                        preferred_element_type=jnp.float32) / math.sqrt(hd)
+    # The mask enters as an additive bias (0 or the float32 minimum): the
+    # forward is the same as a select (min + score rounds to min), and the
+    # backward needs no mask at all (masked probabilities are exactly 0).
+    bias = jnp.where(mask, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
+    scores = scores.reshape(b, kv, groups, t, s_len) + bias[:, None, None, :, :]
+    probs = jax.nn.softmax(scores, axis=-1).astype(vh.dtype).reshape(b, kv, gt, s_len)
+    return jnp.einsum("bkrs,bksd->bkrd", probs, vh)
+
+
 class RMSNorm(nnx.Module):
     """Root-mean-square layer norm with a learned ``scale`` (computed in float32).
 
@@ -196,10 +239,12 @@ class Attention(nnx.Module):
         self.wv = _linear(config.dim, config.n_kv_heads * hd, rngs, dtype, param_dtype)
         self.wo = _linear(config.n_heads * hd, config.dim, rngs, dtype, param_dtype)
 
-    def __call__(self, x, cos, sin, mask, cache=None, cache_index=None, query_rows=None):
+    def __call__(self, x, cos, sin, mask, cache=None, cache_index=None, query_rows=None,
+                 query_blocks=1):
         # query_rows: optional (batch, n) slots; queries (and the output) are
         # computed only for those rows of x, keys and values for every row, and
-        # ``mask`` is then (batch, n, keys). See Block.
+        # ``mask`` is then (batch, n, keys). See Block. query_blocks > 1 only
+        # with mask = causal_mask(arange(t), ...) (see causal_query_blocks).
         b, s, _ = x.shape
         kv, hd = self.n_kv_heads, self.head_dim
         groups = self.n_heads // kv
@@ -222,23 +267,28 @@ class Attention(nnx.Module):
         # Query head h uses kv head h // groups (Hugging Face's repeat_kv order).
         # Heads-major layout: the `groups` query heads of one kv head are
         # stacked as rows, so each attention product is one (batch * kv)-batched
-        # matmul of (groups * t) rows with contiguous operands. XLA's CPU
+        # matmul of (groups * rows) rows with contiguous operands. XLA's CPU
         # backend runs these about twice as fast as the token-major einsum,
         # which it transposes inside every product (and again in the backward).
-        s_len = k.shape[1]
-        qh = q.reshape(b, t, kv, groups, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv, groups * t, hd)
+        # With query_blocks > 1 the queries are cut into that many consecutive
+        # blocks and block j attends only to the keys up to its own last row:
+        # a causal mask hides every later key from all of its queries, so the
+        # products, the softmax and their backward skip the masked blocks.
+        nb = query_blocks if (query_rows is None and cache is None and query_blocks > 1
+                              and t == k.shape[1] and t % query_blocks == 0) else 1
+        rows = t // nb
+        qh = (q.reshape(b, nb, rows, kv, groups, hd).transpose(0, 3, 1, 4, 2, 5)
+              .reshape(b, kv, nb, groups * rows, hd))
         kh = k.transpose(0, 2, 1, 3)
         vh = v.transpose(0, 2, 1, 3)
-        scores = jnp.einsum("bkrd,bksd->bkrs", qh, kh,
-                            preferred_element_type=jnp.float32) / math.sqrt(hd)
-        # The mask enters as an additive bias (0 or the float32 minimum): the
-        # forward is the same as a select (min + score rounds to min), and the
-        # backward needs no mask at all (masked probabilities are exactly 0).
-        bias = jnp.where(mask, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
-        scores = scores.reshape(b, kv, groups, t, s_len) + bias[:, None, None, :, :]
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, groups * t, s_len)
-        out = jnp.einsum("bkrs,bksd->bkrd", probs, vh).reshape(b, kv, groups, t, hd)
-        out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, self.n_heads * hd)
+        outs = []
+        for j in range(nb):
+            keys = k.shape[1] if nb == 1 else (j + 1) * rows
+            block_mask = mask if nb == 1 else mask[:, j * rows:(j + 1) * rows, :keys]
+            outs.append(_attend(qh[:, :, j], kh[:, :, :keys], vh[:, :, :keys], block_mask, groups))
+        out = outs[0][:, :, None] if nb == 1 else jnp.stack(outs, axis=2)
+        out = (out.reshape(b, kv, nb, groups, rows, hd).transpose(0, 2, 4, 1, 3, 5)
+               .reshape(b, t, self.n_heads * hd))
         return self.wo(out), new_cache
 
 
@@ -265,13 +315,15 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(config.dim, config.rms_eps, param_dtype=param_dtype)
         self.mlp = MLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
-    def __call__(self, x, cos, sin, mask, cache=None, cache_index=None, query_rows=None):
+    def __call__(self, x, cos, sin, mask, cache=None, cache_index=None, query_rows=None,
+                 query_blocks=1):
         # With query_rows (batch, n), the block's output is computed only at
         # those slots: keys and values still come from every row, but the
         # queries, the attention output and the MLP run on n rows. The output
         # at a slot equals the full block's output there (causal attention);
         # ``mask`` must then be causal_mask(query_rows, key_valid).
-        h, new_cache = self.attn(self.attn_norm(x), cos, sin, mask, cache, cache_index, query_rows)
+        h, new_cache = self.attn(self.attn_norm(x), cos, sin, mask, cache, cache_index, query_rows,
+                                 query_blocks)
         if query_rows is not None:
             x = _at_rows(x, query_rows)
         x = x + h
@@ -321,15 +373,16 @@ class Llama(nnx.Module):
 
     # -- pieces -----------------------------------------------------------------
 
-    def _layers(self, x, cos, sin, mask, cache, cache_index, query_rows=None):
+    def _layers(self, x, cos, sin, mask, cache, cache_index, query_rows=None, query_blocks=1):
+        # query_blocks: see Attention (only with mask = causal_mask(arange(t), ...)).
         if query_rows is not None:
             # Every block but the last runs on all rows (their keys and values
             # feed the last block's attention); the last one only on query_rows.
             if self.config.scan_layers:
-                x, _ = self._layers(x, cos, sin, mask, None, None)
+                x, _ = self._layers(x, cos, sin, mask, None, None, query_blocks=query_blocks)
                 return _at_rows(x, query_rows), None
             for block in list(self.layers)[:-1]:
-                x, _ = block(x, cos, sin, mask)
+                x, _ = block(x, cos, sin, mask, query_blocks=query_blocks)
             rows_mask = _at_rows(mask, query_rows)
             x, _ = self.layers[len(self.layers) - 1](x, cos, sin, rows_mask, query_rows=query_rows)
             return x, None
@@ -339,7 +392,8 @@ class Llama(nnx.Module):
             def body(h, xs):
                 layer_state, layer_cache = xs
                 block = nnx.merge(graphdef, layer_state)
-                h, layer_cache = block(h, cos, sin, mask, layer_cache, cache_index)
+                h, layer_cache = block(h, cos, sin, mask, layer_cache, cache_index,
+                                       query_blocks=query_blocks)
                 return h, layer_cache
 
             x, new_cache = jax.lax.scan(body, x, (state, cache))
@@ -347,7 +401,8 @@ class Llama(nnx.Module):
         new_k, new_v = [], []
         for i, block in enumerate(self.layers):
             layer_cache = None if cache is None else (cache[0][i], cache[1][i])
-            x, layer_cache = block(x, cos, sin, mask, layer_cache, cache_index)
+            x, layer_cache = block(x, cos, sin, mask, layer_cache, cache_index,
+                                   query_blocks=query_blocks)
             if layer_cache is not None:
                 new_k.append(layer_cache[0])
                 new_v.append(layer_cache[1])
@@ -419,7 +474,8 @@ class Llama(nnx.Module):
         x = self.embed(tokens)
         if rows is not None:
             rows = jnp.broadcast_to(jnp.asarray(rows, jnp.int32), (b,) + jnp.shape(rows)[-1:])
-        x, _ = self._layers(x, cos, sin, attn_mask, None, None, rows)
+        x, _ = self._layers(x, cos, sin, attn_mask, None, None, rows,
+                            causal_query_blocks(t, self.config.attn_block_rows))
         return x
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
