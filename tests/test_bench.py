@@ -23,8 +23,10 @@ def _raw(results, phase, row):
     return [r for r in results["raw"] if r["phase"] == phase and r["row"] == row]
 
 
-def _tiny_forward_matmul_flops() -> float:
-    """Matrix-product FLOPs of one forward pass of the tiny model on a TINY batch."""
+def _tiny_forward_matmul_flops(one_piece_attention: bool = False) -> float:
+    """Matrix-product FLOPs of one forward pass of the tiny model on a TINY batch
+    (with ``one_piece_attention``, every query against every key, as PyTorch's
+    counter counts its attention; pockjax skips the masked query blocks)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -33,7 +35,10 @@ def _tiny_forward_matmul_flops() -> float:
     from pockjax.bench.common import random_config
     from pockjax.models import llama
 
-    graphdef, params = llama.split(llama.Llama(random_config("tiny"), rngs=nnx.Rngs(0)))
+    config = random_config("tiny")
+    if one_piece_attention:
+        config = config.replace(attn_block_rows=None)
+    graphdef, params = llama.split(llama.Llama(config, rngs=nnx.Rngs(0)))
     tokens = jnp.zeros((TINY["batch"], TINY["seq"]), jnp.int32)
     return pockjax.count_flops(jax.make_jaxpr(lambda p, t: llama.apply(graphdef, p, t))(params, tokens),
                                matmul_only=True)
@@ -112,14 +117,16 @@ def test_pytorch_rows_match_pockjax(tmp_path):
     for name in ("torch-full", "torch-lora"):
         assert not res["speed"][name]["errors"], res["speed"][name]["errors"]
     assert res["speed"]["torch-lora"]["trainable_params"] < res["speed"]["torch-full"]["trainable_params"]
-    # PyTorch's count of the full step: the products of plain JAX's (3x the forward
-    # pass), but the CPU attention kernel's backward recomputes the scores: 5
-    # attention products instead of 4, so the two counts differ by the cost of one.
+    # PyTorch's count of the full step: the products of a JAX step with attention
+    # in one piece (3x the forward pass), but the CPU attention kernel's backward
+    # recomputes the scores: 5 attention products instead of 4, so the two counts
+    # differ by the cost of one.
     from pockjax.bench.common import random_config
 
     c = random_config("tiny")
     b, t = TINY["batch"], TINY["seq"]
-    forward = _tiny_forward_matmul_flops()
+    forward = _tiny_forward_matmul_flops(one_piece_attention=True)
+    assert forward > _tiny_forward_matmul_flops()  # pockjax's blocks skip masked products
     one_attention_product = 2 * b * c.n_heads * t * t * c.head_dim_ * c.n_layers
     assert res["speed"]["torch-full"]["step_flops"] == pytest.approx(3 * forward + one_attention_product, rel=1e-9)
     assert res["speed"]["torch-lora"]["step_flops"] > forward
