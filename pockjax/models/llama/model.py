@@ -283,11 +283,12 @@ class Attention(nnx.Module):
         vh = v.transpose(0, 2, 1, 3)
         outs = []
         for j in range(nb):
-            keys = k.shape[1] if nb == 1 else (j + 1) * rows
-            block_mask = mask if nb == 1 else mask[:, j * rows:(j + 1) * rows, :keys]
-            outs.append(_attend(qh[:, :, j], kh[:, :, :keys], vh[:, :, :keys], block_mask, groups))
-        out = outs[0][:, :, None] if nb == 1 else jnp.stack(outs, axis=2)
-        out = (out.reshape(b, kv, nb, groups, rows, hd).transpose(0, 2, 4, 1, 3, 5)
+            # (j + 1) * rows keys (t == keys when nb > 1); the last block, and the
+            # one block of a cache or query_rows step, attends to every key.
+            keys = k.shape[1] - (nb - 1 - j) * rows
+            outs.append(_attend(qh[:, :, j], kh[:, :, :keys], vh[:, :, :keys],
+                                mask[:, j * rows:(j + 1) * rows, :keys], groups))
+        out = (jnp.stack(outs, axis=2).reshape(b, kv, nb, groups, rows, hd).transpose(0, 2, 4, 1, 3, 5)
                .reshape(b, t, self.n_heads * hd))
         return self.wo(out), new_cache
 
