@@ -74,7 +74,7 @@ def register(subparsers) -> None:
         "finetune", help="sparse fine-tuning of a LLaMA model on a task or a JSONL file",
         description="Fine-tune a LLaMA model with a sparse update scheme (default: SmolLM2-135M"
                     " learns to reverse the words of a sentence with the PockEngine 'paper'"
-                    " scheme, about 10-15 minutes on a 2-core CPU).",
+                    " scheme, about 3 minutes on a 2-core CPU).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=_D.model,
                    help="smollm2-135m, a .gguf file, or a Hugging Face LLaMA directory")
