@@ -1,8 +1,8 @@
 """The host CPU and memory of in-process CPU steps.
 
-:func:`cpu_vendor` names the host CPU's maker (kernel choices that were
-measured to differ between Intel and AMD hosts key on it). The rest of this
-module reuses each step's working memory:
+:func:`cpu_vendor` names the host CPU's maker and :func:`cpu_has_avx512` says
+whether it has AVX-512 (kernel choices that were measured to differ between
+hosts key on them). The rest of this module reuses each step's working memory:
 
 XLA's CPU client allocates a step's temporaries (about 1 GB for a full
 SmolLM2-135M step) when the step starts and frees them when it ends. With JAX's
@@ -71,6 +71,23 @@ def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
     """
     makers = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}
     return makers.get(cpuinfo_field("vendor_id", cpuinfo), "")
+
+
+def cpu_has_avx512(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the host CPU has AVX-512 (``avx512f`` among the ``flags`` of ``cpuinfo``).
+
+    False when the file is unreadable or has no ``flags`` line (other systems).
+
+    Example:
+      >>> import os, tempfile
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     path = os.path.join(d, "cpuinfo")
+      ...     with open(path, "w") as f:
+      ...         _ = f.write("processor : 0\\nflags : fpu avx2 avx512f avx512bw\\n")
+      ...     print(cpu_has_avx512(path), cpu_has_avx512("/no/such/file"))
+      True False
+    """
+    return "avx512f" in cpuinfo_field("flags", cpuinfo).split()
 
 
 def keep_step_memory(*, quiet: bool = False) -> bool:

@@ -326,10 +326,10 @@ def versions() -> dict:
 
 
 def machine() -> dict:
-    """CPU model, core count, memory and OS of this machine."""
+    """CPU model, AVX-512, core count, memory and OS of this machine."""
     import platform
 
-    from pockjax.host import cpuinfo_field
+    from pockjax.host import cpu_has_avx512, cpuinfo_field
 
     cpu = cpuinfo_field("model name") or platform.processor() or platform.machine()
     mem = 0
@@ -338,9 +338,22 @@ def machine() -> dict:
             mem = int(f.readline().split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem,
+    return {"cpu": cpu, "avx512": cpu_has_avx512(), "cores": os.cpu_count(), "memory_bytes": mem,
             "system": f"{platform.system()} {platform.release()}",
             "python": platform.python_version()}
+
+
+def cpu_words(m: dict) -> str:
+    """The CPU of a ``machine()`` record in words (records before ``avx512`` was kept omit it).
+
+    Example:
+      >>> cpu_words({"cpu": "AMD EPYC", "avx512": True, "cores": 2})
+      'AMD EPYC (AVX-512), 2 cores'
+      >>> cpu_words({"cpu": "AMD EPYC", "cores": 2})
+      'AMD EPYC, 2 cores'
+    """
+    avx = {True: " (AVX-512)", False: " (no AVX-512)"}.get(m.get("avx512"), "")
+    return f"{m['cpu']}{avx}, {m['cores']} cores"
 
 
 def as_numpy_batch(batch: dict) -> dict:

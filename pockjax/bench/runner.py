@@ -33,8 +33,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pockjax.bench.common import (RANDOM_MODELS, BenchConfig, machine, make_data, median, random_config,
-                                  versions)
+from pockjax.bench.common import (RANDOM_MODELS, BenchConfig, cpu_words, machine, make_data, median,
+                                  random_config, versions)
 from pockjax.bench.rows import CPU_ONLY_ROWS, QUALITY_ROWS, ROWS, default_rows
 
 __all__ = ["run", "summarize", "merge", "markdown_table", "plot_results", "GOALS"]
@@ -431,7 +431,7 @@ def markdown_table(results: dict) -> str:
     device = _device(cfg)
     gpu = device == "gpu"
     where = (f"{m.get('gpu', 'GPU')} ({_gib(m.get('gpu_memory_bytes', 0))} GiB usable), host {m['cpu']}"
-             if gpu else f"{m['cpu']}, {m['cores']} cores")
+             if gpu else cpu_words(m))
     lines = [f"SmolLM2-135M-Instruct fp32 fine-tuning step, batch {cfg['batch']} x {cfg['seq']} tokens"
              if cfg["model"] == "smollm2-135m" else
              f"{cfg['model']} (random weights) fp32 fine-tuning step, batch {cfg['batch']} x {cfg['seq']} tokens",
@@ -536,7 +536,7 @@ def plot_results(results: dict, path: str) -> str | None:
         ax.margins(x=0.15)
     cfg = results["config"]
     m = results["machine"]
-    where = m.get("gpu", "GPU") if gpu else f"{m['cpu']}, {m['cores']} cores"
+    where = m.get("gpu", "GPU") if gpu else cpu_words(m)
     fig.suptitle(f"{cfg['model']} fp32, batch {cfg['batch']} x {cfg['seq']}; {where}; {results['date']}",
                  fontsize=10)
     fig.tight_layout()

@@ -12,7 +12,7 @@ from typing import Any, Callable
 XLA_OWN_DOT_KERNELS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
-def answer_step_xla_options(vendor: str | None = None) -> dict:
+def answer_step_xla_options(vendor: str | None = None, avx512: bool | None = None) -> dict:
     """XLA compiler options for :func:`answer_train_step` on a CPU of ``vendor``.
 
     ``pockjax finetune`` and the benchmarks compile the answer-window step with
@@ -20,14 +20,18 @@ def answer_step_xla_options(vendor: str | None = None) -> dict:
     faster for this step was measured to depend on the host
     (docs/benchmarks.md):
 
-    * Intel (AVX-512 Xeon): XLA's default, YNNPACK's fusions. They ran the
-      SmolLM2 projections at 250-290 GFLOP/s against 165-230 for XLA's own
-      kernels, and the step 7-8% faster (``paper`` 0.86 / 0.84 s against
-      0.91 / 0.93 s, full 1.60 / 1.58 / 1.65 s against 1.74 / 1.76 / 1.72 s).
-    * AMD (EPYC): XLA's own kernels (:data:`XLA_OWN_DOT_KERNELS`): there the
-      two were even on the projections, XLA's twice as fast on the attention
-      products, and the step 2-6% faster.
-    * anything else: XLA's default (not measured).
+    * AMD without AVX-512 (a Zen 3 EPYC): XLA's own kernels
+      (:data:`XLA_OWN_DOT_KERNELS`). There the two were even on the
+      projections, XLA's twice as fast on the attention products, and the
+      step 2-6% faster.
+    * Anything with AVX-512: XLA's default, YNNPACK's fusions. On an Intel
+      Xeon they ran the SmolLM2 projections at 250-290 GFLOP/s against
+      165-230 for XLA's own kernels, and the step 7-8% faster (``paper``
+      0.86 / 0.84 s against 0.91 / 0.93 s, full 1.60 / 1.58 / 1.65 s against
+      1.74 / 1.76 / 1.72 s). On a Zen 5 EPYC the step was 5-7% faster
+      (``paper`` 0.483 s against 0.509 s, full 0.968 s against 1.034 s,
+      medians of 10 and 8 alternating steps).
+    * Anything else: XLA's default (not measured).
 
     Not for steps that project every position onto the vocabulary: on a
     512 x 576 x 49152 product XLA's own kernel was 2.4x slower than YNNPACK's.
@@ -35,18 +39,22 @@ def answer_step_xla_options(vendor: str | None = None) -> dict:
     Args:
       vendor: ``"intel"``, ``"amd"`` or ``""``; None reads this host's
         (:func:`pockjax.host.cpu_vendor`).
+      avx512: Whether the CPU has AVX-512; None reads this host's
+        (:func:`pockjax.host.cpu_has_avx512`).
 
     Example:
-      >>> answer_step_xla_options("amd") == XLA_OWN_DOT_KERNELS
+      >>> answer_step_xla_options("amd", avx512=False) == XLA_OWN_DOT_KERNELS
       True
-      >>> answer_step_xla_options("intel")
-      {}
+      >>> answer_step_xla_options("amd", avx512=True), answer_step_xla_options("intel", avx512=True)
+      ({}, {})
     """
-    if vendor is None:
-        from pockjax.host import cpu_vendor
+    from pockjax.host import cpu_has_avx512, cpu_vendor
 
+    if vendor is None:
         vendor = cpu_vendor()
-    return dict(XLA_OWN_DOT_KERNELS) if vendor == "amd" else {}
+    if avx512 is None:
+        avx512 = cpu_has_avx512()
+    return dict(XLA_OWN_DOT_KERNELS) if vendor == "amd" and not avx512 else {}
 
 
 #: :func:`answer_step_xla_options` of this host.
