@@ -111,11 +111,14 @@ def test_plain_jax_frozen_and_pockjax_paper_train_the_same_update(tiny_results):
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("peft") is None,
                     reason="the PyTorch rows need the bench extra (torch, transformers, peft)")
 def test_pytorch_rows_match_pockjax(tmp_path):
-    res = run(BenchConfig(**{**TINY, "steps": 1}), rows=["torch-full", "torch-lora"], reps=1,
-              quality_rows=["torch-sparse", "pockjax-paper"], out=str(tmp_path), timeout=600,
+    # With MKL's vendor check answered "Intel" (a no-op on Intel CPUs), as the
+    # rows run with --torch-mkl-any-cpu: the shim is loaded in their processes.
+    res = run(BenchConfig(**{**TINY, "steps": 1, "torch_mkl_any_cpu": True}), rows=["torch-full", "torch-lora"],
+              reps=1, quality_rows=["torch-sparse", "pockjax-paper"], out=str(tmp_path), timeout=600,
               progress=False)
     for name in ("torch-full", "torch-lora"):
         assert not res["speed"][name]["errors"], res["speed"][name]["errors"]
+        assert res["speed"][name]["mkl_vendor_shim"] is True
     assert res["speed"]["torch-lora"]["trainable_params"] < res["speed"]["torch-full"]["trainable_params"]
     # PyTorch's count of the full step: the products of a JAX step with attention
     # in one piece (3x the forward pass), but the CPU attention kernel's backward
@@ -160,6 +163,33 @@ def test_goals_and_table_from_results():
     assert res["speed"]["pockjax-paper"]["speedup_vs_torch_full"] == pytest.approx(3.0 / 0.9)
     table = markdown_table({**res, "machine": {"cpu": "x", "cores": 2}, "versions": {}})
     assert "3.33x" in table and "NOT met" in table and "85.0%" in table
+
+
+def test_mkl_vendor_shim_answers_intel_and_a_missing_compiler_is_a_clear_error(tmp_path):
+    import ctypes
+
+    from pockjax.bench.mkl import VendorShimError, build_vendor_shim, preload_env
+
+    shim = build_vendor_shim(str(tmp_path / "shim"))
+    assert ctypes.CDLL(shim).mkl_serv_intel_cpu_true() == 1
+    assert preload_env({"LD_PRELOAD": "/x.so"}, shim)["LD_PRELOAD"] == f"{shim}:/x.so"
+    with pytest.raises(VendorShimError, match="needs a C compiler.*no-such-cc"):
+        build_vendor_shim(str(tmp_path / "none"), compiler="no-such-cc")
+
+
+def test_table_says_how_pytorch_ran_its_matmuls_on_a_non_intel_cpu():
+    cfg = BenchConfig(model="tiny", batch=2, seq=8)
+    raw = [{"row": "torch-full", "phase": "speed", "step_times": [1.0], "losses": [1.0], "setup_s": 1.0,
+            "train_peak_rss": 1, "torch_mkl": True, "mkl_vendor_shim": shim}
+           for shim in (True, False)]
+    res = summarize(raw, cfg)
+    assert res["speed"]["torch-full"]["mkl_vendor_shim"] is False  # not in every process
+    amd = {**res, "machine": {"cpu": "x", "cores": 2, "vendor": "amd"}, "versions": {}}
+    assert "generic kernels" in markdown_table(amd)
+    amd["speed"]["torch-full"]["mkl_vendor_shim"] = True
+    assert "answered 'Intel'" in markdown_table(amd)
+    intel = {**amd, "machine": {"cpu": "x", "cores": 2, "vendor": "intel"}}
+    assert "MKL" not in markdown_table(intel)
 
 
 def test_bad_rows_are_refused(tmp_path):

@@ -64,7 +64,8 @@ def _cmd(args: argparse.Namespace) -> int:
     seq = default_seq(args.model) if args.seq is None else args.seq
     cfg = BenchConfig(model=args.model, device=args.device, batch=args.batch, seq=seq, warmup=args.warmup,
                       steps=args.steps, lr=args.lr, lora_lr=args.lora_lr, sparse_lr=args.sparse_lr,
-                      blocks=args.blocks, threads=args.threads, quality_steps=args.quality_steps,
+                      blocks=args.blocks, threads=args.threads,
+                      torch_mkl_any_cpu=args.torch_mkl_any_cpu, quality_steps=args.quality_steps,
                       quality_batch=args.quality_batch, quality_seq=args.quality_seq,
                       eval_examples=args.eval_examples, seed=args.seed)
     if min(cfg.batch, cfg.seq, cfg.steps) < 1 or cfg.warmup < 0 or cfg.quality_steps < 0:
@@ -123,6 +124,10 @@ def register(subparsers) -> None:
                    help="... of the sparse rows (paper, norm-only, channels, requires_grad, frozen)")
     p.add_argument("--blocks", type=int, default=None, help="last blocks of the paper scheme")
     p.add_argument("--threads", type=int, default=None, help="PyTorch threads (default: all cores)")
+    p.add_argument("--torch-mkl-any-cpu", action="store_true",
+                   help="run the PyTorch rows with Intel MKL's CPU-vendor check answered 'Intel'"
+                        " (on a non-Intel x86 CPU MKL otherwise takes its generic kernels; needs a"
+                        " C compiler)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per row process")
     p.add_argument("--out", default="bench-results")

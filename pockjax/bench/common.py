@@ -65,6 +65,10 @@ class BenchConfig:
       lora_rank: LoRA rank (alpha = 2 x rank, q/k/v/o projections).
       blocks: Last blocks of the ``paper`` scheme (None: pockjax's default).
       threads: Intra-op threads of PyTorch (None: every core).
+      torch_mkl_any_cpu: Run the PyTorch rows with Intel MKL's CPU-vendor check
+        answered "Intel" (:mod:`pockjax.bench.mkl`), so that on a non-Intel
+        x86 CPU MKL picks its kernels by instruction set instead of taking its
+        generic path.
       quality_steps: Training steps of the quality phase (0: no quality phase).
       quality_batch: Rows per step in the quality phase.
       quality_seq: Row length in the quality phase (None: the longest example).
@@ -84,6 +88,7 @@ class BenchConfig:
     lora_rank: int = 8
     blocks: int | None = None
     threads: int | None = None
+    torch_mkl_any_cpu: bool = False
     quality_steps: int = 0
     quality_batch: int = 8
     quality_seq: int | None = None
@@ -326,10 +331,10 @@ def versions() -> dict:
 
 
 def machine() -> dict:
-    """CPU model, AVX-512, core count, memory and OS of this machine."""
+    """CPU model, maker, AVX-512, core count, memory and OS of this machine."""
     import platform
 
-    from pockjax.host import cpu_has_avx512, cpuinfo_field
+    from pockjax.host import cpu_has_avx512, cpu_vendor, cpuinfo_field
 
     cpu = cpuinfo_field("model name") or platform.processor() or platform.machine()
     mem = 0
@@ -338,7 +343,7 @@ def machine() -> dict:
             mem = int(f.readline().split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return {"cpu": cpu, "avx512": cpu_has_avx512(), "cores": os.cpu_count(), "memory_bytes": mem,
+    return {"cpu": cpu, "vendor": cpu_vendor(), "avx512": cpu_has_avx512(), "cores": os.cpu_count(), "memory_bytes": mem,
             "system": f"{platform.system()} {platform.release()}",
             "python": platform.python_version()}
 

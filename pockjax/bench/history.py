@@ -28,7 +28,7 @@ from typing import Sequence
 from pockjax.bench.common import median
 from pockjax.bench.runner import GOALS
 
-__all__ = ["SPEED_GOALS", "goal_history", "load_runs", "history", "history_table", "plot_history"]
+__all__ = ["SPEED_GOALS", "goal_history", "load_runs", "cpu_label", "history", "history_table", "plot_history"]
 
 #: The speed goals ``(row, baseline, target)`` of :data:`pockjax.bench.runner.GOALS`.
 SPEED_GOALS = tuple((row, base, target) for row, base, what, target in GOALS if what == "speed")
@@ -100,6 +100,22 @@ def load_runs(paths: Sequence[str]) -> list[tuple[str, dict]]:
     return runs
 
 
+def cpu_label(res: dict) -> str:
+    """The CPU column of a run: its model, ``(AVX-512)`` where the run recorded
+    it, and ``MKL any-CPU`` when its PyTorch rows ran with ``--torch-mkl-any-cpu``.
+
+    Example:
+      >>> cpu_label({"machine": {"cpu": "AMD EPYC", "avx512": True},
+      ...            "config": {"torch_mkl_any_cpu": True}})
+      'AMD EPYC (AVX-512), MKL any-CPU'
+      >>> cpu_label({"machine": {"cpu": "AMD EPYC"}, "config": {}})
+      'AMD EPYC'
+    """
+    m = res.get("machine", {})
+    label = m.get("cpu", "?") + (" (AVX-512)" if m.get("avx512") else "")
+    return label + (", MKL any-CPU" if res.get("config", {}).get("torch_mkl_any_cpu") else "")
+
+
 def history(paths: Sequence[str], goals: Sequence[tuple] = SPEED_GOALS) -> dict:
     """The speed goals (``goals``, in this order) over the runs at ``paths``.
 
@@ -115,7 +131,7 @@ def history(paths: Sequence[str], goals: Sequence[tuple] = SPEED_GOALS) -> dict:
         g = goal_history(res)
         if g:  # a run of other rows measures none of the goals
             runs.append({"name": os.path.basename(os.path.dirname(path)) or path, "path": path,
-                         "date": res["date"], "cpu": res.get("machine", {}).get("cpu", "?"), "goals": g})
+                         "date": res["date"], "cpu": cpu_label(res), "goals": g})
     summary = {}
     for row, base, target in goals:
         vals = [r["goals"][(row, base)] for r in runs if (row, base) in r["goals"]]

@@ -213,7 +213,7 @@ def torch_row(job: dict) -> dict:
     extra = {"trainable_params": sum(p.numel() for p in trainable),
              "total_params": sum(p.numel() for p in model.parameters()),
              "process_peak_rss": max(process_peak, proc_peak_rss()),
-             "step_flops": counted.get("flops")}
+             "step_flops": counted.get("flops"), **_torch_blas()}
     if cfg.device == "gpu":
         extra["device_peak_bytes"] = int(torch.cuda.max_memory_allocated(dev))
     train_peak = proc_peak_rss()
@@ -222,6 +222,21 @@ def torch_row(job: dict) -> dict:
             model = model.merge_and_unload()
         _save_torch(model, job["save"])
     return _finish(job, times, losses, setup_s, train_peak, marks.get("rss", proc_rss()), extra)
+
+
+def _torch_blas() -> dict:
+    """Whether this PyTorch does its CPU matmuls with Intel MKL, and whether the
+    vendor shim of :mod:`pockjax.bench.mkl` is loaded in this process."""
+    import torch
+
+    from pockjax.bench.mkl import SHIM_NAME
+
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            shim = SHIM_NAME in f.read()
+    except OSError:
+        shim = False
+    return {"torch_mkl": bool(torch.backends.mkl.is_available()), "mkl_vendor_shim": shim}
 
 
 def _torch_flop_counter():

@@ -37,7 +37,7 @@ from pockjax.bench.common import (RANDOM_MODELS, BenchConfig, cpu_words, machine
                                   random_config, versions)
 from pockjax.bench.rows import CPU_ONLY_ROWS, QUALITY_ROWS, ROWS, default_rows
 
-__all__ = ["run", "summarize", "merge", "markdown_table", "plot_results", "GOALS"]
+__all__ = ["run", "summarize", "merge", "markdown_table", "torch_mkl_note", "plot_results", "GOALS"]
 
 #: The goals this benchmark checks (row, baseline, what).
 GOALS = (
@@ -233,6 +233,14 @@ def run(cfg: BenchConfig, *, rows: Sequence[str] | None = None, reps: int = 2,
     os.makedirs(out, exist_ok=True)
     workdir = os.path.join(out, "work")
     os.makedirs(workdir, exist_ok=True)
+    envs = {"torch": env}
+    if cfg.torch_mkl_any_cpu:
+        from pockjax.bench.mkl import VendorShimError, build_vendor_shim, preload_env
+
+        try:
+            envs["torch"] = preload_env(env, build_vendor_shim(workdir))
+        except VendorShimError as e:
+            raise RuntimeError(str(e)) from None
     phases = (["speed"] if rows else []) + (["quality"] if quality_rows else [])
     t_start = time.time()
     prep = _prepare(cfg, out, phases)
@@ -250,7 +258,7 @@ def run(cfg: BenchConfig, *, rows: Sequence[str] | None = None, reps: int = 2,
                 d = prep["data"]["speed"]
                 job = {**base, "row": name, "phase": "speed", "rep": rep, "data": d["path"],
                        "window": d["window"]}
-                res = _run_job(job, workdir, timeout, env)
+                res = _run_job(job, workdir, timeout, envs.get(ROWS[name].framework, env))
                 res["rep"] = rep  # the round, for per-round ratios (pockjax bench --history)
                 if "error" in res:
                     log(f"{name} (round {rep + 1}) failed: {res['error'].strip().splitlines()[-1]}")
@@ -262,7 +270,7 @@ def run(cfg: BenchConfig, *, rows: Sequence[str] | None = None, reps: int = 2,
             save = os.path.join(workdir, f"weights-{name}")
             job = {**base, "row": name, "phase": "quality", "data": d["path"], "window": d["window"],
                    "save": save}
-            res = _run_job(job, workdir, timeout, env)
+            res = _run_job(job, workdir, timeout, envs.get(ROWS[name].framework, env))
             if "error" not in res:
                 try:
                     res["eval"] = _evaluate(save, prep, cfg)
@@ -305,6 +313,9 @@ def summarize(raw: list[dict], cfg: BenchConfig, prep: dict | None = None) -> di
         s["first_loss"] = r["losses"][0] if r["losses"] else None
         if r.get("step_flops"):
             s["step_flops"] = r["step_flops"]
+        for key in ("torch_mkl", "mkl_vendor_shim"):  # PyTorch rows: how their matmuls ran
+            if key in r:
+                s[key] = bool(s.get(key, True) and r[key])
     tokens = cfg.batch * cfg.seq
     for name, s in speed.items():
         s["step_s"] = median(s["step_times"])
@@ -471,6 +482,9 @@ def markdown_table(results: dict) -> str:
                      "(matmul_only=True) of the traced step for plain JAX, of the compiled step for"
                      " pockjax); GFLOP/s: those over the median step time. A speed-up over a baseline is"
                      " its FLOPs over the row's times the row's GFLOP/s over the baseline's.")
+    mkl_note = torch_mkl_note(results)
+    if mkl_note:
+        lines.append(mkl_note)
     if q_steps:
         lines.append(f"Quality: {q_steps} AdamW steps of {qs.get('batch')} x {qs.get('seq')} tokens on"
                      f" reverse-words, exact match on {cfg['eval_examples']} held-out examples"
@@ -494,6 +508,31 @@ def markdown_table(results: dict) -> str:
             state = f"{gap} (goal: at most {g['target']} below) {'met' if g['met'] else 'NOT met'}"
         lines.append(f"- {g['row']} vs {g['baseline']}, {g['what']}: {state}")
     return "\n".join(lines) + "\n"
+
+
+def torch_mkl_note(results: dict) -> str:
+    """How the PyTorch rows' CPU matmuls ran, where that matters: on a non-Intel
+    x86 CPU with Intel MKL (see :mod:`pockjax.bench.mkl`); ``""`` elsewhere.
+
+    Example:
+      >>> r = {"config": {}, "machine": {"vendor": "amd"},
+      ...      "speed": {"torch-full": {"torch_mkl": True, "mkl_vendor_shim": False}}}
+      >>> torch_mkl_note(r).split(":")[0]
+      "PyTorch's matmuls"
+      >>> r["machine"]["vendor"] = "intel"
+      >>> torch_mkl_note(r)
+      ''
+    """
+    rows = [s for n, s in results["speed"].items() if s.get("torch_mkl")]
+    if not rows or _device(results["config"]) != "cpu" or results["machine"].get("vendor") in (None, "intel"):
+        return ""
+    if all(s.get("mkl_vendor_shim") for s in rows):
+        return ("PyTorch's matmuls: Intel MKL, run with its CPU-vendor check answered 'Intel'"
+                " (--torch-mkl-any-cpu), so that it picks its kernels by instruction set on this"
+                " non-Intel CPU.")
+    return ("PyTorch's matmuls: Intel MKL, which takes its generic kernels on a non-Intel CPU such"
+            " as this one (pockjax.bench.mkl); --torch-mkl-any-cpu runs the PyTorch rows on its"
+            " instruction-set kernels instead.")
 
 
 def plot_results(results: dict, path: str) -> str | None:
