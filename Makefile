@@ -23,7 +23,7 @@ system-deps:
 	bash .ci/system-deps.sh
 
 # The main job: a sparse fine-tune of the default model (SmolLM2-135M-Instruct)
-# on the default task (reverse the words of a sentence), about 15 minutes on 2 CPU cores.
+# on the default task (reverse the words of a sentence), about 3 minutes on 2 CPU cores.
 finetune: setup
 	$(PY) -m pockjax.cli finetune --out runs/finetune
 
