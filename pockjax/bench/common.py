@@ -343,13 +343,25 @@ def machine() -> dict:
             mem = int(f.readline().split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return {"cpu": cpu, "vendor": cpu_vendor(), "avx512": cpu_has_avx512(), "cores": os.cpu_count(), "memory_bytes": mem,
-            "system": f"{platform.system()} {platform.release()}",
+    return {"cpu": cpu, "vendor": cpu_vendor(), "avx512": cpu_has_avx512(), "cores": os.cpu_count(),
+            "memory_bytes": mem, "system": f"{platform.system()} {platform.release()}",
             "python": platform.python_version()}
 
 
+def cpu_name(m: dict) -> str:
+    """The CPU model of a ``machine()`` record and whether it has AVX-512
+    (records from before ``avx512`` was kept say nothing of it).
+
+    Example:
+      >>> cpu_name({"cpu": "AMD EPYC", "avx512": True}), cpu_name({"cpu": "AMD EPYC"})
+      ('AMD EPYC (AVX-512)', 'AMD EPYC')
+    """
+    avx = {True: " (AVX-512)", False: " (no AVX-512)"}.get(m.get("avx512"), "")
+    return f"{m.get('cpu', '?')}{avx}"
+
+
 def cpu_words(m: dict) -> str:
-    """The CPU of a ``machine()`` record in words (records before ``avx512`` was kept omit it).
+    """:func:`cpu_name` and the core count of a ``machine()`` record.
 
     Example:
       >>> cpu_words({"cpu": "AMD EPYC", "avx512": True, "cores": 2})
@@ -357,8 +369,7 @@ def cpu_words(m: dict) -> str:
       >>> cpu_words({"cpu": "AMD EPYC", "cores": 2})
       'AMD EPYC, 2 cores'
     """
-    avx = {True: " (AVX-512)", False: " (no AVX-512)"}.get(m.get("avx512"), "")
-    return f"{m['cpu']}{avx}, {m['cores']} cores"
+    return f"{cpu_name(m)}, {m['cores']} cores"
 
 
 def as_numpy_batch(batch: dict) -> dict:

@@ -25,7 +25,7 @@ import json
 import os
 from typing import Sequence
 
-from pockjax.bench.common import median
+from pockjax.bench.common import cpu_name, median
 from pockjax.bench.runner import GOALS
 
 __all__ = ["SPEED_GOALS", "goal_history", "load_runs", "cpu_label", "history", "history_table", "plot_history"]
@@ -111,9 +111,8 @@ def cpu_label(res: dict) -> str:
       >>> cpu_label({"machine": {"cpu": "AMD EPYC"}, "config": {}})
       'AMD EPYC'
     """
-    m = res.get("machine", {})
-    label = m.get("cpu", "?") + (" (AVX-512)" if m.get("avx512") else "")
-    return label + (", MKL any-CPU" if res.get("config", {}).get("torch_mkl_any_cpu") else "")
+    any_cpu = res.get("config", {}).get("torch_mkl_any_cpu")
+    return cpu_name(res.get("machine", {})) + (", MKL any-CPU" if any_cpu else "")
 
 
 def history(paths: Sequence[str], goals: Sequence[tuple] = SPEED_GOALS) -> dict:

@@ -233,14 +233,18 @@ def run(cfg: BenchConfig, *, rows: Sequence[str] | None = None, reps: int = 2,
     os.makedirs(out, exist_ok=True)
     workdir = os.path.join(out, "work")
     os.makedirs(workdir, exist_ok=True)
-    envs = {"torch": env}
+    torch_env = env
     if cfg.torch_mkl_any_cpu:
         from pockjax.bench.mkl import VendorShimError, build_vendor_shim, preload_env
 
         try:
-            envs["torch"] = preload_env(env, build_vendor_shim(workdir))
+            torch_env = preload_env(env, build_vendor_shim(workdir))
         except VendorShimError as e:
             raise RuntimeError(str(e)) from None
+
+    def env_of(name: str) -> dict:  # the shim, if any, goes to the PyTorch rows only
+        return torch_env if ROWS[name].framework == "torch" else env
+
     phases = (["speed"] if rows else []) + (["quality"] if quality_rows else [])
     t_start = time.time()
     prep = _prepare(cfg, out, phases)
@@ -258,7 +262,7 @@ def run(cfg: BenchConfig, *, rows: Sequence[str] | None = None, reps: int = 2,
                 d = prep["data"]["speed"]
                 job = {**base, "row": name, "phase": "speed", "rep": rep, "data": d["path"],
                        "window": d["window"]}
-                res = _run_job(job, workdir, timeout, envs.get(ROWS[name].framework, env))
+                res = _run_job(job, workdir, timeout, env_of(name))
                 res["rep"] = rep  # the round, for per-round ratios (pockjax bench --history)
                 if "error" in res:
                     log(f"{name} (round {rep + 1}) failed: {res['error'].strip().splitlines()[-1]}")
@@ -270,7 +274,7 @@ def run(cfg: BenchConfig, *, rows: Sequence[str] | None = None, reps: int = 2,
             save = os.path.join(workdir, f"weights-{name}")
             job = {**base, "row": name, "phase": "quality", "data": d["path"], "window": d["window"],
                    "save": save}
-            res = _run_job(job, workdir, timeout, envs.get(ROWS[name].framework, env))
+            res = _run_job(job, workdir, timeout, env_of(name))
             if "error" not in res:
                 try:
                     res["eval"] = _evaluate(save, prep, cfg)
