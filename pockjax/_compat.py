@@ -7,8 +7,45 @@ touches one file; ``pyproject.toml`` pins the JAX range these were checked on.
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import jax
 from jax.extend import core as jex_core
+
+# The JAX releases this module's internals were verified on (pyproject pins
+# the same range). Outside it pockjax refuses to load: its gradient tags hook
+# JAX's autodiff, and a silent change there would make sparse steps train
+# everything (or nothing) without a word. POCKJAX_ALLOW_UNVERIFIED_JAX=1
+# loads anyway, with a warning; the tagging self-test still runs.
+VERIFIED_JAX = ((0, 10, 0), (0, 11, 0))  # [low, high)
+
+
+def jax_version() -> tuple[int, ...]:
+    return tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+
+def check_jax_version(version: tuple[int, ...] | None = None) -> None:
+    """Raise unless ``version`` (default: the installed JAX) is in :data:`VERIFIED_JAX`."""
+    from pockjax.errors import PockjaxError
+
+    version = jax_version() if version is None else tuple(version)
+    low, high = VERIFIED_JAX
+    if low <= version < high:
+        return
+    text = ".".join(map(str, version))
+    message = (
+        f"pockjax was verified on JAX >={'.'.join(map(str, low))},<{'.'.join(map(str, high))}, "
+        f"but JAX {text} is installed. Install a verified JAX (pip install 'jax>=0.10,<0.11'), "
+        "or set POCKJAX_ALLOW_UNVERIFIED_JAX=1 to try this one."
+    )
+    if os.environ.get("POCKJAX_ALLOW_UNVERIFIED_JAX") == "1":
+        warnings.warn(message, stacklevel=2)
+        return
+    raise PockjaxError(message)
+
+
+check_jax_version()
 
 # Public (jax.extend) names first.
 ClosedJaxpr = jex_core.ClosedJaxpr
@@ -21,6 +58,9 @@ DropVar = jex_core.DropVar
 jaxpr_as_fun = jex_core.jaxpr_as_fun
 check_jaxpr = jex_core.check_jaxpr
 new_jaxpr_eqn = jex_core.new_jaxpr_eqn
+from jax.extend.core import primitives as primitives  # noqa: E402  (every lax Primitive object)
+
+scan_p = primitives.scan_p
 
 # Internals: AD, batching and lowering registration, DCE rules, eval.
 from jax._src import core as _core  # noqa: E402
@@ -69,9 +109,6 @@ def subjaxprs_of(eqn: JaxprEqn) -> list[tuple[str, object]]:
             found.append((name, value))
     return found
 
-
-def jax_version() -> tuple[int, ...]:
-    return tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
 primitive_jvps = ad.primitive_jvps
 instantiate_zeros = ad.instantiate_zeros
@@ -146,6 +183,64 @@ def tagging_params(tracers, tag):
         yield
     finally:
         _param_registry.ids, _param_registry.tag = previous
+
+
+def is_key_dtype(dtype) -> bool:
+    """Whether ``dtype`` is a typed PRNG key dtype (``key<fry>``)."""
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+def wrap_key_data(data, dtype):
+    """Typed keys of key dtype ``dtype`` from their raw key data."""
+    return jax.random.wrap_key_data(data, impl=dtype._impl)
+
+
+def key_data_aval(aval):
+    """The aval of ``jax.random.key_data`` of keys with ``aval``."""
+    out = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+    return ShapedArray(out.shape, out.dtype)
+
+
+_tagging_verified = False
+
+
+def check_tagging_works() -> None:
+    """Check once per process that ``jax.grad`` still goes through the tagging hook.
+
+    If a JAX release routes autodiff around ``ad.linearize``, no gradient tag
+    would be emitted, no parameter would look differentiated, and a sparse
+    step would silently prune nothing: fail here instead, loudly.
+    """
+    global _tagging_verified
+    if _tagging_verified:
+        return
+    from pockjax import tags
+    from pockjax.errors import PockjaxError
+
+    def probe(x):
+        with tagging_params([x], tags.tag_param):
+            return jax.grad(lambda y: (y * y).sum())(x)
+
+    jaxpr = jax.make_jaxpr(probe)(jax.ShapeDtypeStruct((2,), "float32")).jaxpr
+
+    def has_grad_tag(j):
+        for eqn in j.eqns:
+            if eqn.primitive is tags.grad_tag_p:
+                return True
+            for _, sub in subjaxprs_of(eqn):
+                for s in sub if isinstance(sub, (tuple, list)) else [sub]:
+                    if has_grad_tag(getattr(s, "jaxpr", s)):
+                        return True
+        return False
+
+    if not has_grad_tag(jaxpr):
+        raise PockjaxError(
+            f"pockjax's gradient tagging does not work with JAX {jax.__version__}: jax.grad no longer "
+            "goes through jax._src.interpreters.ad.linearize, so pockjax cannot find which gradient "
+            "belongs to which parameter and would prune nothing. Install a JAX in the verified range "
+            f"{VERIFIED_JAX} (see pyproject.toml), or report this JAX version."
+        )
+    _tagging_verified = True
 
 
 def cpu_backend_started() -> bool:

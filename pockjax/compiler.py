@@ -31,7 +31,7 @@ import numpy as np
 from pockjax import _compat as C
 from pockjax.analysis import PruneSummary, summarize
 from pockjax.errors import BackendError, StepSignatureError
-from pockjax.graph import MODEL_STATE, OPT_STATE, PARAM, TrainGraph, trace_step
+from pockjax.graph import MODEL_STATE, OPT_STATE, PARAM, TrainGraph, is_train_state, step_name, trace_step
 from pockjax.optim.state import SparseOptState
 from pockjax.paths import keypath_to_parts
 from pockjax.scheme import UpdateScheme
@@ -63,11 +63,13 @@ def chain(*passes: Pass) -> Pass:
     return apply
 
 
-def default_passes(scheme: UpdateScheme | None, sparse_opt_state: bool = False) -> Pass:
+def default_passes(scheme: UpdateScheme | None, sparse_opt_state: bool = False, *,
+                   allow_nothing_trained: bool = False) -> Pass:
     """``sparse_grad(scheme)``, ``dce``, then ``fold_dot_transpose`` (no ``sparse_grad`` without a scheme)."""
     if scheme is None:
         return chain(dce, fold_dot_transpose)
-    return chain(sparse_grad(scheme, sparse_opt_state=sparse_opt_state), dce, fold_dot_transpose)
+    grads = sparse_grad(scheme, sparse_opt_state=sparse_opt_state, allow_nothing_trained=allow_nothing_trained)
+    return chain(grads, dce, fold_dot_transpose)
 
 
 # -- the compiled step ----------------------------------------------------------
@@ -169,10 +171,17 @@ class IreeStepExecutable:
         closed = graph.closed_jaxpr
         fun_all = C.jaxpr_as_fun(closed)
         computed = list(computed_outputs)
+        # Typed PRNG keys cross the module boundary as their key data (uint32):
+        # StableHLO and the runtime know no key types.
+        self.key_inputs = {i: a.dtype for i, a in enumerate(graph.in_avals) if C.is_key_dtype(a.dtype)}
+        out_avals = graph.out_avals
+        self.key_outputs = {k: out_avals[o].dtype for k, o in enumerate(computed) if C.is_key_dtype(out_avals[o].dtype)}
+        in_avals = [C.key_data_aval(a) if i in self.key_inputs else a for i, a in enumerate(graph.in_avals)]
 
         def fun(*args):
+            args = [C.wrap_key_data(x, self.key_inputs[i]) if i in self.key_inputs else x for i, x in enumerate(args)]
             outs = fun_all(*args)
-            return [outs[o] for o in computed]
+            return [jax.random.key_data(outs[o]) if k in self.key_outputs else outs[o] for k, o in enumerate(computed)]
 
         state_roles = (PARAM, OPT_STATE, MODEL_STATE)
         state_mask = [role in state_roles for role in graph.in_roles]
@@ -182,7 +191,7 @@ class IreeStepExecutable:
         self.target = target
         self.exe = piree.compile_flat(
             fun,
-            graph.in_avals,
+            in_avals,
             target,
             options,
             state_mask=state_mask,
@@ -199,7 +208,18 @@ class IreeStepExecutable:
             )
 
     def __call__(self, *flat_args):
-        return self.exe(*flat_args)
+        if self.key_inputs:
+            flat_args = [
+                jax.random.key_data(x) if i in self.key_inputs and C.is_key_dtype(getattr(x, "dtype", None)) else x
+                for i, x in enumerate(flat_args)
+            ]
+        outs = self.exe(*flat_args)
+        if self.key_outputs:
+            outs = [
+                C.wrap_key_data(np.asarray(x), self.key_outputs[k]) if k in self.key_outputs else x
+                for k, x in enumerate(outs)
+            ]
+        return outs
 
 
 def xla_compile_options(platform: str, xla_options: dict | None = None) -> dict:
@@ -263,7 +283,10 @@ def _signature(flat):
     out = []
     for x in flat:
         dt = getattr(x, "dtype", None)
-        dt = jax.dtypes.result_type(x) if dt is None else jax.dtypes.canonicalize_dtype(dt)
+        if dt is None:
+            dt = jax.dtypes.result_type(x)
+        elif not jax.dtypes.issubdtype(dt, jax.dtypes.extended):  # typed PRNG keys stay as they are
+            dt = jax.dtypes.canonicalize_dtype(dt)
         shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
         out.append((shape, str(dt), bool(getattr(x, "weak_type", False))))
     return tuple(out)
@@ -329,55 +352,71 @@ class CompiledFunction:
 
     # -- functional steps -------------------------------------------------------
     def _functional_compiled(self, args) -> CompiledStep:
-        if len(args) < 2:
+        name = step_name(self.step)
+        if len(args) < 1 or (len(args) < 2 and not is_train_state(args[0])):
             raise StepSignatureError(
-                f"a compiled step is called as step(params, opt_state, *batch); got {len(args)} argument(s)"
+                f"{name}: a compiled step is called as step(params, opt_state, *batch) or "
+                f"step(train_state, *batch); got {len(args)} argument(s)"
             )
         flat, tree = jax.tree_util.tree_flatten(args)
         key = (tree, _signature(flat))
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        sparse_state = isinstance(args[1], SparseOptState)
-        if sparse_state:
-            if self.scheme is None:
-                raise StepSignatureError("a SparseOptState needs the step to be compiled with a scheme")
-            if args[1].layout.scheme != self.scheme:
-                raise StepSignatureError(
-                    "the SparseOptState was initialised for another scheme than the step's; "
-                    "make it with pockjax.init_opt_state(tx, params, scheme) using the same scheme"
-                )
-            trace_args = (args[0], args[1].full_abstract(), *args[2:])
-        else:
-            trace_args = args
-        traced = trace_step(self.step, trace_args)
+        n_state_args = 1 if is_train_state(args[0]) else 2
+        trace_args, sparse_state = self._full_state_args(args, name)
+        traced = trace_step(self.step, trace_args, n_state_args=n_state_args)
         passes = self.passes or default_passes(self.scheme, sparse_state)
         graph = strip_tags(passes(traced))
         if sparse_state:
-            expected = [tuple(np.shape(x)) for x in args[1].leaves]
+            is_sparse = lambda x: isinstance(x, SparseOptState)  # noqa: E731
+            expected = [
+                tuple(np.shape(x))
+                for node in jax.tree.leaves(args[:n_state_args], is_leaf=is_sparse)
+                if is_sparse(node)
+                for x in node.leaves
+            ]
             got = [tuple(graph.in_avals[i].shape) for i, r in enumerate(graph.in_roles) if r == OPT_STATE]
             if expected != got:
                 raise StepSignatureError(
-                    f"the sparse optimizer state has leaf shapes {expected} but the step needs {got}"
+                    f"{name}: the sparse optimizer state has leaf shapes {expected} but the step needs {got}"
                 )
-        aux_trees = traced.out_tree.children()[2:]
-        param_def = jax.tree.structure(args[0])
-        opt_def = jax.tree.structure(args[1])
-        n_params = param_def.num_leaves
-        n_opt = opt_def.num_leaves
+        # The state arguments come back with the structure they came in with
+        # (a SparseOptState stays sparse); aux outputs as traced.
+        state_defs = [jax.tree.structure(a) for a in args[:n_state_args]]
+        aux_trees = traced.out_tree.children()[n_state_args:]
 
         def build(flat_out):
-            params = jax.tree_util.tree_unflatten(param_def, flat_out[:n_params])
-            opt = jax.tree_util.tree_unflatten(opt_def, flat_out[n_params : n_params + n_opt])
-            rest, outs = flat_out[n_params + n_opt :], []
-            for t in aux_trees:
+            outs, rest = [], list(flat_out)
+            for t in [*state_defs, *aux_trees]:
                 outs.append(jax.tree_util.tree_unflatten(t, rest[: t.num_leaves]))
                 rest = rest[t.num_leaves :]
-            return (params, opt, *outs)
+            return tuple(outs)
 
         compiled = self._finish(traced, graph, tree, build)
         self._cache[key] = compiled
         return compiled
+
+    def _full_state_args(self, args, name: str):
+        """``args`` with every :class:`SparseOptState` replaced by its full abstract form.
+
+        The step is traced against the full optimizer state; ``sparse_grad``
+        then drops the frozen parameters' state. Returns ``(args, sparse)``.
+        """
+        is_sparse = lambda x: isinstance(x, SparseOptState)  # noqa: E731
+        found = [x for x in jax.tree.leaves(args, is_leaf=is_sparse) if is_sparse(x)]
+        if not found:
+            return args, False
+        if self.scheme is None:
+            raise StepSignatureError(f"{name}: a SparseOptState needs the step to be compiled with a scheme")
+        for state in found:
+            if state.layout.scheme != self.scheme:
+                raise StepSignatureError(
+                    f"{name}: the SparseOptState was initialised for another scheme than the step's; "
+                    "make it with pockjax.init_opt_state(tx, params, scheme) using the same scheme"
+                )
+        full = jax.tree.map(lambda x: x.full_abstract() if is_sparse(x) else x, args, is_leaf=is_sparse)
+        return full, True
 
     def _finish(self, traced, graph, in_tree, build) -> CompiledStep:
         invars = graph.jaxpr.invars

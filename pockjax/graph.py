@@ -93,11 +93,17 @@ def optstate_param_map(opt_paths: Sequence[str], opt_shapes, param_paths, param_
     A state leaf mirrors the parameter whose dotted path is the longest suffix
     of the state leaf's path and whose shape is the same (``mu.layers.0.w``
     mirrors ``layers.0.w``). Optax states, ``nnx.Optimizer`` states and
-    ``MaskedState`` all lay out per-parameter state this way.
+    ``MaskedState`` all lay out per-parameter state this way. A parameter path
+    under a Linen ``params`` collection also matches without that prefix.
     """
     by_parts = {}
     for j, (p, s) in enumerate(zip(param_paths, param_shapes)):
-        by_parts.setdefault(tuple(p.split(".")) if p else (), []).append((j, s))
+        parts = tuple(p.split(".")) if p else ()
+        by_parts.setdefault(parts, []).append((j, s))
+        if len(parts) > 1 and parts[0] == "params":
+            # a Linen ``variables`` dict as the step's params: the optimizer
+            # state was made from ``variables["params"]``
+            by_parts.setdefault(parts[1:], []).append((j, s))
     out = []
     for path, shape in zip(opt_paths, opt_shapes):
         parts = tuple(path.split(".")) if path else ()
@@ -114,8 +120,97 @@ def optstate_param_map(opt_paths: Sequence[str], opt_shapes, param_paths, param_
     return out
 
 
+def leaf_dtype(x):
+    """A leaf's dtype, typed PRNG key dtypes (``key<fry>``) included."""
+    dt = getattr(x, "dtype", None)
+    if dt is not None and jax.dtypes.issubdtype(dt, jax.dtypes.extended):
+        return dt
+    return jax.dtypes.result_type(x)
+
+
 def _avals(leaves):
-    return [jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)) for x in leaves]
+    return [jax.ShapeDtypeStruct(np.shape(x), leaf_dtype(x)) for x in leaves]
+
+
+def is_train_state(x) -> bool:
+    """Whether ``x`` is a Flax ``TrainState`` (or a subclass, or a look-alike).
+
+    A train state carries ``params``, ``opt_state`` and ``tx`` and updates them
+    with ``apply_gradients``: the step then takes ``(state, *batch)`` and
+    returns ``(new_state, *aux)``.
+    """
+    return all(hasattr(x, name) for name in ("params", "opt_state", "tx", "apply_gradients"))
+
+
+def _train_state_leaves(state) -> tuple[list[str], list[str]]:
+    """Roles and dotted paths of a train state's leaves.
+
+    Leaves under ``.params`` are parameters named by their path inside
+    ``params`` (so a scheme reads the same as for a functional step), leaves
+    under ``.opt_state`` optimizer state, and every other field (``step``,
+    ``batch_stats``...) model state named ``state.<field>...``.
+    """
+    from pockjax.paths import keypath_to_parts
+
+    roles, paths = [], []
+    for keypath, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
+        parts = keypath_to_parts(keypath)
+        head, rest = (parts[0], ".".join(parts[1:])) if parts else ("", "")
+        if head == "params":
+            roles.append(PARAM)
+            paths.append(rest)
+        elif head == "opt_state":
+            roles.append(OPT_STATE)
+            paths.append(f"opt_state.{rest}" if rest else "opt_state")
+        else:
+            roles.append(MODEL_STATE)
+            paths.append("state." + ".".join(parts))
+    return roles, paths
+
+
+def default_layout(args: Sequence[Any]) -> tuple[int, list[str], list[str]]:
+    """How many leading arguments a step returns updated, and each input leaf's role and path.
+
+    ``(state, *batch)`` when the first argument is a Flax ``TrainState``
+    (see :func:`is_train_state`), else ``(params, opt_state, *batch)``.
+    Roles here are provisional: :func:`trace_step` turns a parameter that the
+    step never differentiates into model state.
+    """
+    if args and is_train_state(args[0]):
+        roles, paths = _train_state_leaves(args[0])
+        for a, arg in enumerate(args[1:]):
+            n = len(jax.tree.leaves(arg))
+            roles += [BATCH] * n
+            paths += leaf_paths(arg, prefix=f"batch{a}")
+        return 1, roles, paths
+    roles, paths = [], []
+    default_roles = [PARAM, OPT_STATE] + [BATCH] * (len(args) - 2)
+    for a, (arg, role) in enumerate(zip(args, default_roles)):
+        n = len(jax.tree.leaves(arg))
+        roles += [role] * n
+        paths += leaf_paths(arg, prefix="" if role == PARAM else f"{role}" if a < 2 else f"batch{a - 2}")
+    return 2, roles, paths
+
+
+def step_name(step: Callable) -> str:
+    """The user's name for a step (``train_step``), for error messages."""
+    step = unwrap_jit(step)
+    return getattr(step, "__qualname__", None) or getattr(step, "__name__", None) or type(step).__name__
+
+
+def gradient_tag_indices(jaxpr) -> set[int]:
+    """Indices of the parameters whose gradient carries a ``pockjax_grad_tag`` (any depth)."""
+    from pockjax.transforms import _interp
+
+    found: set[int] = set()
+
+    def visit(eqn):
+        if eqn.primitive is tags.grad_tag_p:
+            found.add(eqn.params["index"])
+        return False
+
+    _interp.contains(jaxpr, visit)
+    return found
 
 
 def trace_step(
@@ -124,20 +219,28 @@ def trace_step(
     *,
     roles: Sequence[str] | None = None,
     paths: Sequence[str] | None = None,
-    n_state_args: int = 2,
+    n_state_args: int | None = None,
     kwargs: dict | None = None,
 ) -> TrainGraph:
-    """Trace ``step(params, opt_state, *batch)`` into a :class:`TrainGraph`.
+    """Trace a train step into a :class:`TrainGraph`.
+
+    The step is ``step(params, opt_state, *batch) -> (params, opt_state, *aux)``,
+    or, with a Flax ``TrainState`` first, ``step(state, *batch) -> (state, *aux)``.
+
+    A leaf of ``params`` that the step differentiates (``jax.grad``,
+    ``value_and_grad``, ``vjp``) is a *parameter*: schemes decide whether it
+    is trained. Every other leaf the step returns updated (BatchNorm
+    statistics in a Linen ``variables`` dict, counters, RNG keys) is *model
+    state*: it is updated exactly as the step computes it, under any scheme.
 
     Args:
-      step: the train step. It must return ``(new_params, new_opt_state, *aux)``
-        with ``new_params``/``new_opt_state`` shaped like its first two arguments.
+      step: the train step. It must return its state arguments updated, with
+        the structure, shapes and dtypes they came in with.
       args: example arguments: arrays or ``jax.ShapeDtypeStruct``.
-      roles: per flat input leaf roles, to override the default (params,
-        optimizer state, then batch).
+      roles: per flat input leaf roles, to override the default.
       paths: per flat input leaf dotted paths, to override the default.
       n_state_args: how many leading arguments the step returns updated
-        (2: params and optimizer state).
+        (default: 1 for a ``TrainState``, else 2).
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, pockjax
@@ -153,21 +256,17 @@ def trace_step(
     """
     kwargs = kwargs or {}
     args = tuple(args)
+    name = step_name(step)
     step = unwrap_jit(step)
+    default_n, in_roles, in_paths = default_layout(args)
+    n_state_args = default_n if n_state_args is None else n_state_args
     if len(args) < n_state_args:
         raise StepSignatureError(
-            f"the step takes (params, opt_state, *batch); got {len(args)} positional argument(s)"
+            f"{name}: a train step takes (params, opt_state, *batch) or (train_state, *batch); "
+            f"got {len(args)} positional argument(s)"
         )
     flat_args, in_tree = jax.tree_util.tree_flatten(args)
-    in_roles: list[str] = []
-    in_paths: list[str] = []
-    per_arg_counts = []
-    default_roles = [PARAM, OPT_STATE] + [BATCH] * (len(args) - 2)
-    for a, (arg, role) in enumerate(zip(args, default_roles)):
-        n = len(jax.tree.leaves(arg))
-        per_arg_counts.append(n)
-        in_roles += [role] * n
-        in_paths += leaf_paths(arg, prefix="" if role == PARAM else f"{role}" if a < 2 else f"batch{a - 2}")
+    per_arg_counts = [len(jax.tree.leaves(arg)) for arg in args]
     if roles is not None:
         if len(roles) != len(flat_args):
             raise ValueError(f"roles has {len(roles)} entries for {len(flat_args)} input leaves")
@@ -176,8 +275,10 @@ def trace_step(
         if len(paths) != len(flat_args):
             raise ValueError(f"paths has {len(paths)} entries for {len(flat_args)} input leaves")
         in_paths = list(paths)
+    _check_leaves(name, flat_args, in_paths)
     avals = _avals(flat_args)
     param_idx = [i for i, r in enumerate(in_roles) if r == PARAM]
+    C.check_tagging_works()
 
     out_store = {}
 
@@ -193,15 +294,22 @@ def trace_step(
         out_store["tree"] = out_tree
         return flat_out
 
+    # JAX's own messages name the traced function: let them name the user's.
+    flat_step.__name__ = flat_step.__qualname__ = name
     closed = inline_calls(jax.make_jaxpr(flat_step)(*avals))
     out = out_store["out"]
     out_tree = out_store["tree"]
-    _check_outputs(out, args, n_state_args)
+    _check_outputs(out, args, n_state_args, name)
+
+    # A "parameter" the step never differentiates is model state (BatchNorm
+    # statistics, counters): it keeps the value the step computes for it.
+    differentiated = gradient_tag_indices(closed.jaxpr)
+    in_roles = [MODEL_STATE if r == PARAM and i not in differentiated else r for i, r in enumerate(in_roles)]
+    param_idx = [i for i, r in enumerate(in_roles) if r == PARAM]
 
     out_roles: list[str] = []
     out_paths: list[str] = []
     out_to_in: list[int | None] = []
-    offset = 0
     for a, arg_out in enumerate(out):
         n = len(jax.tree.leaves(arg_out))
         if a < n_state_args:
@@ -213,7 +321,6 @@ def trace_step(
             out_to_in += [None] * n
             out_roles += [AUX] * n
             out_paths += leaf_paths(arg_out, prefix=f"aux{a - n_state_args}")
-        offset += n
 
     shapes = [a.shape for a in avals]
     opt_idx = [i for i, r in enumerate(in_roles) if r == OPT_STATE]
@@ -237,7 +344,21 @@ def trace_step(
         out_paths=tuple(out_paths),
         out_to_in=tuple(out_to_in),
         param_of=tuple(param_of),
+        meta={"step_name": name},
     )
+
+
+def _check_leaves(name: str, flat_args, paths) -> None:
+    """Every input leaf must be an array (or a Python number): say which is not."""
+    for x, path in zip(flat_args, paths):
+        if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, bool, int, float, complex)):
+            continue
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            continue
+        raise StepSignatureError(
+            f"{name}: input leaf {path!r} is a {type(x).__name__} ({str(x)[:40]!r}), not an array; "
+            "pass arrays (jnp.asarray(...)) or mark static configuration outside the step's arguments"
+        )
 
 
 def inline_calls(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
@@ -283,11 +404,12 @@ def _describe_tree(tree) -> str:
     return f"{treedef} with shapes {[tuple(np.shape(x)) for x in leaves][:6]}{'...' if len(leaves) > 6 else ''}"
 
 
-def _check_outputs(out, args, n_state_args: int) -> None:
-    names = ["params", "opt_state"]
+def _check_outputs(out, args, n_state_args: int, step: str = "the step") -> None:
+    names = ["train_state"] if n_state_args == 1 and is_train_state(args[0]) else ["params", "opt_state"]
+    expected = "(new_state, *aux)" if names == ["train_state"] else "(new_params, new_opt_state, *aux)"
     if not isinstance(out, (tuple, list)) or len(out) < n_state_args:
         raise StepSignatureError(
-            "the train step must return (new_params, new_opt_state, *aux); "
+            f"{step}: the train step must return {expected}; "
             f"it returned {type(out).__name__}"
             + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else "")
         )
@@ -297,17 +419,17 @@ def _check_outputs(out, args, n_state_args: int) -> None:
         out_leaves, out_def = jax.tree_util.tree_flatten(out[a])
         if in_def != out_def:
             raise StepSignatureError(
-                f"output {a} of the step must have the structure of its input {name}:\n"
+                f"{step}: output {a} of the step must have the structure of its input {name}:\n"
                 f"  input  {name}: {_describe_tree(args[a])}\n"
                 f"  output {a}: {_describe_tree(out[a])}\n"
-                "Return (new_params, new_opt_state, *aux) in the order of the arguments."
+                f"Return {expected} in the order of the arguments."
             )
         for x, y, path in zip(in_leaves, out_leaves, leaf_paths(args[a])):
             xs, ys = np.shape(x), np.shape(y)
-            xd, yd = jax.dtypes.result_type(x), jax.dtypes.result_type(y)
+            xd, yd = leaf_dtype(x), leaf_dtype(y)
             if xs != ys or xd != yd:
                 raise StepSignatureError(
-                    f"{name} leaf {path!r}: the step returns shape {ys} {yd} for an input of "
+                    f"{step}: {name} leaf {path!r}: the step returns shape {ys} {yd} for an input of "
                     f"shape {xs} {xd}; the new value must keep the old shape and dtype"
                 )
 

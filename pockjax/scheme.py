@@ -71,7 +71,9 @@ class Channels:
         axis = self.axis % ndim
         size = int(shape[axis])
         if self.indices is not None:
-            idx = tuple(sorted(set(int(i) for i in self.indices)))
+            # negative indices count from the end, as in Python: indices=[-2, -1]
+            # on axis 0 of layers stacked for lax.scan trains the last two layers
+            idx = tuple(sorted(set(int(i) + size if -size <= int(i) < 0 else int(i) for i in self.indices)))
             bad = [i for i in idx if not 0 <= i < size]
             if bad:
                 raise ChannelRuleError(
@@ -289,6 +291,31 @@ class UpdateScheme:
         """Only normalisation scales and biases (for LLaMA: RMSNorm scales)."""
         return cls({"**.*norm*.scale": "full", "**.*norm*.bias": "full"}, name="norm-only", strict=False)
 
+    def nnx_wrt(self):
+        """An NNX filter for ``nnx.Optimizer(model, tx, wrt=scheme.nnx_wrt())``.
+
+        It selects the ``nnx.Param`` variables this scheme trains (fully or by
+        channels), so the optimizer allocates state only for them and its
+        ``update`` ignores the gradients of frozen parameters, which
+        :func:`pockjax.compile` then never computes.
+
+        Example:
+            >>> import optax, pockjax
+            >>> from flax import nnx
+            >>> model = nnx.Sequential(nnx.Linear(2, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 1, rngs=nnx.Rngs(1)))
+            >>> scheme = pockjax.UpdateScheme({"layers.1.*": "full"})
+            >>> optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=scheme.nnx_wrt())
+            >>> sorted(pockjax.leaf_paths(nnx.state(optimizer.opt_state)))
+            ['0.count', '0.mu.layers.1.bias', '0.mu.layers.1.kernel', '0.nu.layers.1.bias', '0.nu.layers.1.kernel']
+        """
+        from flax import nnx
+
+        def trained(path, _value) -> bool:
+            rule, _ = self.rule_for(".".join(str(p) for p in path))
+            return not isinstance(rule, Frozen)
+
+        return nnx.All(nnx.Param, trained)
+
     # -- resolution ------------------------------------------------------------
     def rule_for(self, path: str) -> tuple[Rule, str | None]:
         """The rule for one path and the pattern that chose it (None: default)."""
@@ -297,8 +324,20 @@ class UpdateScheme:
                 return rule, pattern
         return self.default, None
 
-    def resolve(self, paths: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[Union[Full, Frozen, ChannelSelect]]:
+    def resolve(
+        self,
+        paths: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        non_gradient: Sequence[str] = (),
+    ) -> list[Union[Full, Frozen, ChannelSelect]]:
         """Resolve the rule of every leaf; raises on patterns matching nothing.
+
+        Args:
+          paths, shapes: the parameters the step differentiates.
+          non_gradient: paths of state the step updates without a gradient
+            (BatchNorm statistics, counters); a pattern that names only those
+            is an error, since a scheme cannot freeze or train them.
 
         Returns, per path, ``Full()``, ``Frozen()`` or a :class:`ChannelSelect`.
         """
@@ -314,6 +353,15 @@ class UpdateScheme:
             else:
                 out.append(rule)
         unmatched = [p for p, _ in self.rules if p not in used]
+        for regex, pattern, _ in self._compiled:
+            state = [q for q in non_gradient if regex.match(q)]
+            if pattern in unmatched and state:
+                raise SchemeError(
+                    f"scheme pattern {pattern!r} names {state[:3]}, which the step updates without a "
+                    "gradient (model state such as BatchNorm statistics or counters): it is updated "
+                    "exactly as the step computes it, and a scheme cannot freeze or train it. "
+                    "Remove the pattern from the scheme."
+                )
         if unmatched and (self.strict or len(unmatched) == len(self.rules)):
             lines = []
             for p in unmatched:

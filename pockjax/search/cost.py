@@ -148,8 +148,11 @@ class StepGraph:
         from pockjax.compiler import default_passes
         from pockjax.transforms.strip_tags import strip_tags
 
+        units = list(units)
         scheme = scheme_for(units)
-        return strip_tags(default_passes(scheme, sparse_opt_state=True)(self.traced))
+        # no units: the baseline step that trains nothing, on purpose
+        passes = default_passes(scheme, sparse_opt_state=True, allow_nothing_trained=not units)
+        return strip_tags(passes(self.traced))
 
     def evaluate(self, units: Iterable[Unit]) -> Exact:
         """Exact FLOPs and planned peak memory of the pruned step for ``units``."""

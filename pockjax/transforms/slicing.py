@@ -3,9 +3,10 @@
 A channel rule asks for ``x[..., idx, ...]`` of a value along one axis. If the
 value is computed by an op whose output channels come from a matching axis of
 its inputs (elementwise ops, ``dot_general`` free dims, ``transpose``,
-``broadcast_in_dim``, reductions over other axes), the op can compute the
-slice directly from sliced inputs: the weight-gradient ``dot_general`` of a
-channel-ruled kernel then has the reduced shape. Ops with no rule compute the
+``broadcast_in_dim``, reductions over other axes, ``conv_general_dilated``
+output features or batch), the op can compute the slice directly from sliced
+inputs: the weight-gradient ``dot_general`` or conv of a channel-ruled kernel
+then has the reduced shape. Ops with no rule compute the
 whole value and are sliced afterwards; that is always correct, only slower.
 
 ``PUSH_RULES`` maps a primitive name to ``rule(eqn, out_select) ->
@@ -147,3 +148,50 @@ PUSH_RULES["dot_general"] = _dot_general
 PUSH_RULES["transpose"] = _transpose
 for _name in ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"):
     PUSH_RULES[_name] = _reduce
+
+
+def _conv_general_dilated(eqn, sel):
+    """Push a channel slice of a convolution's output into its operands.
+
+    With ``lhs_spec``/``rhs_spec``/``out_spec`` the dimension numbers (each
+    ``(batch or out-feature, feature or in-feature, *spatial)`` as axes of the
+    array), output feature ``o`` is computed from rhs out-feature ``o`` alone;
+    output batch ``n`` from lhs batch ``n`` alone (when ``batch_group_count``
+    is 1). Groups split that correspondence into ``G`` blocks: with
+    ``feature_group_count = G`` output-feature block ``j`` (of ``O / G``
+    features) reads lhs-feature block ``j`` (of ``C / G``); with
+    ``batch_group_count = B`` it reads lhs-batch block ``j`` (of ``N / B``;
+    the output batch is ``N / B``). A selection made of whole output blocks
+    is pushed by taking those blocks of the lhs group axis too and binding
+    with the number of blocks kept as the group count. JAX's kernel gradient
+    is such a conv (operands swapped; ``batch_group_count = C`` for a
+    depth-wise forward conv), so a channel rule on the kernel's output axis
+    computes only the selected part of it.
+    """
+    dn = eqn.params["dimension_numbers"]
+    lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    fgc, bgc = eqn.params["feature_group_count"], eqn.params["batch_group_count"]
+    params = dict(eqn.params)
+    if any(isinstance(v, C.Literal) for v in eqn.invars):
+        return None
+    if sel.axis == out_spec[0] and bgc == 1:
+        return [sel.on_axis(lhs_spec[0]), None], params
+    if sel.axis != out_spec[1]:
+        return None
+    rhs_form = sel.on_axis(rhs_spec[0])
+    groups = max(fgc, bgc)
+    if groups == 1:
+        return [None, rhs_form], params
+    block = sel.size // groups
+    blocks = [i // block for i in sel.indices[::block]]
+    if sel.count % block or sel.indices != tuple(j * block + r for j in blocks for r in range(block)):
+        return None  # not whole groups
+    lhs_axis = lhs_spec[1] if fgc > 1 else lhs_spec[0]
+    lhs_size = eqn.invars[0].aval.shape[lhs_axis]
+    lhs_block = lhs_size // groups
+    lhs_form = ChannelSelect(lhs_axis, lhs_size, tuple(j * lhs_block + r for j in blocks for r in range(lhs_block)))
+    params["feature_group_count" if fgc > 1 else "batch_group_count"] = len(blocks)
+    return [lhs_form, rhs_form], params
+
+
+PUSH_RULES["conv_general_dilated"] = _conv_general_dilated

@@ -33,8 +33,8 @@ import numpy as np
 
 from pockjax import _compat as C
 from pockjax import tags
-from pockjax.errors import PockjaxError
-from pockjax.graph import OPT_STATE, PARAM, TrainGraph
+from pockjax.errors import PockjaxError, SchemeError
+from pockjax.graph import MODEL_STATE, OPT_STATE, PARAM, TrainGraph
 from pockjax.scheme import ChannelSelect, Frozen, Full, UpdateScheme
 from pockjax.transforms import _interp, slicing
 from pockjax.transforms.slicing import PUSH_RULES
@@ -107,11 +107,30 @@ def _materialize(x):
 RuleOf = Any  # Full | Frozen | ChannelSelect
 
 
-def resolve_rules(graph: TrainGraph, scheme: UpdateScheme) -> dict[int, RuleOf]:
-    """``{param input index: Full() | Frozen() | ChannelSelect}`` for a graph."""
+def resolve_rules(graph: TrainGraph, scheme: UpdateScheme, *, allow_nothing_trained: bool = False) -> dict[int, RuleOf]:
+    """``{param input index: Full() | Frozen() | ChannelSelect}`` for a graph.
+
+    Raises :class:`~pockjax.SchemeError` when the step differentiates no
+    parameter, when a pattern names only model state, and (unless
+    ``allow_nothing_trained``) when the scheme freezes every parameter.
+    """
     idx = graph.inputs_with_role(PARAM)
+    step = graph.meta.get("step_name", "the step")
+    if not idx:
+        raise SchemeError(
+            f"{step} differentiates none of its parameters: pockjax found no gradient of any leaf of "
+            "its first argument, so a scheme has nothing to train. Compute the gradient with "
+            "jax.grad / jax.value_and_grad / nnx.grad of the parameters inside the step."
+        )
     avals = graph.in_avals
-    resolved = scheme.resolve([graph.in_paths[i] for i in idx], [avals[i].shape for i in idx])
+    state = [graph.in_paths[i] for i in graph.inputs_with_role(MODEL_STATE)]
+    resolved = scheme.resolve([graph.in_paths[i] for i in idx], [avals[i].shape for i in idx], non_gradient=state)
+    if not allow_nothing_trained and all(isinstance(r, Frozen) for r in resolved):
+        raise SchemeError(
+            f"the scheme {scheme!r} freezes every parameter of {step}: the step would train nothing. "
+            f"Give some parameters a 'full' or channels(...) rule (parameters: "
+            f"{[graph.in_paths[i] for i in idx][:6]}{'...' if len(idx) > 6 else ''})."
+        )
     return dict(zip(idx, resolved))
 
 
@@ -165,7 +184,47 @@ def _is_tag(eqn) -> bool:
     return eqn.primitive in tags.TAG_PRIMITIVES
 
 
-def sparse_grad(scheme: UpdateScheme, *, sparse_opt_state: bool = False):
+def _scan_first_iterations(eqn, out_demands):
+    """Run only the first iterations of a scan when only their outputs are needed.
+
+    The backward scan of ``lax.scan``-ed layers (stacked on a leading axis)
+    visits the layers last to first. When a scheme trains only the last
+    layers (``channels(indices=[6, 7], axis=0)`` on the stacked kernels) and
+    nothing needs the scan's final carry (the activation gradient below them
+    feeds only frozen parameters), the per-layer outputs that are needed are
+    those of the scan's *first* iterations: the same scan over ``length=k``
+    and the matching slice of its ``xs`` computes exactly them, and the
+    backward of the frozen iterations is never run.
+
+    Returns ``(operand forms, params, output forms)`` or ``None``.
+    """
+    if eqn.primitive is not C.scan_p or eqn.effects:
+        return None
+    params = eqn.params
+    n_consts, n_carry, length = params["num_consts"], params["num_carry"], params["length"]
+    if any(d != "dead" for d in out_demands[:n_carry]):
+        return None
+    sel = None
+    for d in out_demands[n_carry:]:
+        if d == "dead":
+            continue
+        if not isinstance(d, ChannelSelect) or d.axis != 0 or not d.is_contiguous:
+            return None
+        if sel is not None and d.indices != sel.indices:
+            return None
+        sel = d
+    if sel is None or sel.count == length:
+        return None
+    first = sel.start + sel.count == length if params["reverse"] else sel.start == 0
+    if not first:
+        return None
+    rows = ChannelSelect(axis=0, size=length, indices=sel.indices)
+    forms = [None] * (n_consts + n_carry) + [rows] * (len(eqn.invars) - n_consts - n_carry)
+    out_forms = ["dead"] * n_carry + [rows if d != "dead" else "dead" for d in out_demands[n_carry:]]
+    return forms, dict(params, length=sel.count), out_forms
+
+
+def sparse_grad(scheme: UpdateScheme, *, sparse_opt_state: bool = False, allow_nothing_trained: bool = False):
     """The sparse-update pass for ``scheme``: a function ``TrainGraph -> TrainGraph``.
 
     Args:
@@ -190,15 +249,16 @@ def sparse_grad(scheme: UpdateScheme, *, sparse_opt_state: bool = False):
     """
 
     def apply(graph: TrainGraph) -> TrainGraph:
-        return _sparse_grad(graph, scheme, sparse_opt_state)
+        return _sparse_grad(graph, scheme, sparse_opt_state, allow_nothing_trained)
 
     apply.__name__ = "sparse_grad"
     apply.scheme = scheme
     return apply
 
 
-def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool) -> TrainGraph:
-    rules = resolve_rules(graph, scheme)
+def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool,
+                 allow_nothing_trained: bool = False) -> TrainGraph:
+    rules = resolve_rules(graph, scheme, allow_nothing_trained=allow_nothing_trained)
     jaxpr = graph.jaxpr
     invars, outvars = jaxpr.invars, jaxpr.outvars
 
@@ -291,6 +351,13 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
             modes[k] = ("forward_update",)
             request(eqn.invars[1], None)
             continue
+        first_iterations = _scan_first_iterations(eqn, outs)
+        if first_iterations is not None:
+            forms, params, out_forms = first_iterations
+            modes[k] = ("scan_first", forms, params, out_forms)
+            for v, f in zip(eqn.invars, forms):
+                request(v, f)
+            continue
         if len(outs) == 1 and isinstance(outs[0], ChannelSelect) and eqn.primitive.name in PUSH_RULES:
             pushed = PUSH_RULES[eqn.primitive.name](eqn, outs[0])
             if pushed is not None:
@@ -371,6 +438,15 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
                 if not isinstance(value, ZeroValue):
                     value = tags.grad_tag_p.bind(value, **eqn.params)
                 write(eqn.outvars[0], form, value)
+            elif kind == "scan_first":
+                forms, params, out_forms = mode[1], mode[2], mode[3]
+                invals = [_materialize(read(v, f)) for v, f in zip(eqn.invars, forms)]
+                if _interp.contains(params["jaxpr"], _is_tag):
+                    params = dict(params, jaxpr=_interp.retrace(params["jaxpr"], nested))
+                outs = _interp.bind_eqn(eqn, invals, params)
+                for v, f, x in zip(eqn.outvars, out_forms, outs):
+                    if f != "dead":
+                        write(v, f, x)
             elif kind == "sliced":
                 forms, params, sel = mode[1], mode[2], mode[3]
                 invals = [read(v, f) for v, f in zip(eqn.invars, forms)]
