@@ -62,6 +62,19 @@ from jax.extend.core import primitives as primitives  # noqa: E402  (every lax P
 
 scan_p = primitives.scan_p
 
+# Primitives pockjax's tables name that ``jax.extend.core.primitives`` does not
+# export (looked up by :func:`pockjax._src.jaxpr.prims`).
+from jax._src.lax.lax import optimization_barrier_p  # noqa: E402
+from jax._src.lax.slicing import scatter_sub_p  # noqa: E402
+from jax._src.lax.parallel import reduce_scatter_p  # noqa: E402
+
+try:  # noqa: E402
+    from jax._src.shard_map import shard_map_p
+except ImportError:  # pragma: no cover - a JAX without it
+    shard_map_p = None
+
+EXTRA_PRIMITIVES = tuple(p for p in (optimization_barrier_p, scatter_sub_p, reduce_scatter_p, shard_map_p) if p is not None)
+
 # Internals: AD, batching and lowering registration, DCE rules, eval.
 from jax._src import core as _core  # noqa: E402
 from jax._src.interpreters import ad, batching, mlir  # noqa: E402
@@ -93,21 +106,12 @@ def is_combiner_primitive(name: str) -> bool:
 def subjaxprs_of(eqn: JaxprEqn) -> list[tuple[str, object]]:
     """Return ``(param_name, jaxpr_or_list)`` for every nested jaxpr of ``eqn``.
 
-    Handles the param conventions used by JAX primitives: a single ``Jaxpr`` /
-    ``ClosedJaxpr`` (``jit``, ``scan``, ``remat``, ``custom_jvp_call``...), or a
-    tuple of them (``cond`` branches).
+    Kept for older imports: see :func:`pockjax._src.jaxpr.subjaxprs` (this is
+    its lenient form, which never raises).
     """
-    found = []
-    if is_combiner_primitive(eqn.primitive.name):
-        return found
-    for name, value in eqn.params.items():
-        if isinstance(value, (Jaxpr, ClosedJaxpr)):
-            found.append((name, value))
-        elif isinstance(value, (tuple, list)) and value and all(
-            isinstance(v, (Jaxpr, ClosedJaxpr)) for v in value
-        ):
-            found.append((name, value))
-    return found
+    from pockjax._src.jaxpr import subjaxprs
+
+    return subjaxprs(eqn, strict=False)
 
 
 primitive_jvps = ad.primitive_jvps
@@ -215,6 +219,7 @@ def check_tagging_works() -> None:
     if _tagging_verified:
         return
     from pockjax import tags
+    from pockjax._src.jaxpr import sub_jaxprs
     from pockjax.errors import PockjaxError
 
     def probe(x):
@@ -227,10 +232,9 @@ def check_tagging_works() -> None:
         for eqn in j.eqns:
             if eqn.primitive is tags.grad_tag_p:
                 return True
-            for _, sub in subjaxprs_of(eqn):
-                for s in sub if isinstance(sub, (tuple, list)) else [sub]:
-                    if has_grad_tag(getattr(s, "jaxpr", s)):
-                        return True
+            for s in sub_jaxprs(eqn, strict=False):
+                if has_grad_tag(getattr(s, "jaxpr", s)):
+                    return True
         return False
 
     if not has_grad_tag(jaxpr):

@@ -15,6 +15,16 @@ import math
 from typing import Any
 
 from pockjax import _compat as C
+from pockjax import tags
+from pockjax._src import jaxpr as J
+from pockjax._src.jaxpr import prims, prims_with_prefix
+
+_P = C.primitives
+# Primitive-object tables (names only to build them).
+_ONE_PER_INPUT = prims_with_prefix("reduce_") | prims("argmax", "argmin", "cumsum", "cumprod", "cummax")
+_FREE = frozenset(tags.TAG_PRIMITIVES) | prims(
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "copy"
+)
 
 
 def _jaxpr_of(obj):
@@ -29,45 +39,42 @@ def _size(aval) -> int:
 
 def eqn_flops(eqn: C.JaxprEqn) -> float:
     """FLOPs of one equation, excluding nested jaxprs."""
-    name = eqn.primitive.name
-    if name == "dot_general":
+    prim = eqn.primitive
+    if prim is _P.dot_general_p:
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
         lhs = eqn.invars[0].aval.shape
         contract = math.prod(lhs[d] for d in lc) if lc else 1
         return 2.0 * _size(eqn.outvars[0].aval) * contract
-    if name == "conv_general_dilated":
+    if prim is _P.conv_general_dilated_p:
         rhs = eqn.invars[1].aval.shape
         dn = eqn.params["dimension_numbers"]
         out_feature_dim = dn.rhs_spec[0]
         per_output = math.prod(rhs) / rhs[out_feature_dim]
         return 2.0 * _size(eqn.outvars[0].aval) * per_output
-    if name.startswith("reduce_") or name in ("argmax", "argmin", "cumsum", "cumprod", "cummax"):
+    if prim in _ONE_PER_INPUT:
         return float(_size(eqn.invars[0].aval))
-    if name.startswith("pockjax_") or name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "copy", "copy_p"):
+    if prim in _FREE:
         return 0.0
-    if C.subjaxprs_of(eqn):
+    if J.subjaxprs(eqn, strict=False):
         return 0.0
     return float(sum(_size(v.aval) for v in eqn.outvars if hasattr(v, "aval")))
 
 
+def _costliest_branch(eqn, subs):
+    """For ``cond``, attribute only the most expensive branch."""
+    if eqn.primitive is not _P.cond_p:
+        return subs
+    branches = eqn.params["branches"]
+    costs = [count_flops(b) for b in branches]
+    return [branches[costs.index(max(costs))]]
+
+
 def _walk(jaxpr, visit, multiplier: float = 1.0):
-    for eqn in jaxpr.eqns:
-        visit(eqn, multiplier)
-        name = eqn.primitive.name
-        subs = C.subjaxprs_of(eqn)
-        if name == "cond":
-            # attribute the most expensive branch
-            branches = eqn.params["branches"]
-            costs = [count_flops(b) for b in branches]
-            _walk(_jaxpr_of(branches[costs.index(max(costs))]), visit, multiplier)
-            continue
-        times = float(eqn.params.get("length", 1)) if name == "scan" else 1.0
-        for _, sub in subs:
-            for s in sub if isinstance(sub, (tuple, list)) else [sub]:
-                _walk(_jaxpr_of(s), visit, multiplier * times)
+    """Visit every equation (``scan`` bodies times their length, ``cond``'s costliest branch)."""
+    J.walk(jaxpr, visit, multiplier, select=_costliest_branch)
 
 
-_MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
+_MATMUL_PRIMITIVES = frozenset({_P.dot_general_p, _P.conv_general_dilated_p})
 
 
 def count_flops(obj: Any, *, matmul_only: bool = False) -> float:
@@ -91,7 +98,7 @@ def count_flops(obj: Any, *, matmul_only: bool = False) -> float:
     total = [0.0]
 
     def visit(eqn, mult):
-        if matmul_only and eqn.primitive.name not in _MATMUL_PRIMITIVES:
+        if matmul_only and eqn.primitive not in _MATMUL_PRIMITIVES:
             return
         total[0] += mult * eqn_flops(eqn)
 
@@ -129,9 +136,9 @@ def weight_grad_dots(graph) -> list[C.JaxprEqn]:
         for v in eqn.outvars:
             producer[v] = eqn
     found = []
-    passthrough = {"transpose", "reshape", "convert_element_type", "add_any", "copy", "copy_p", "pad", "concatenate"}
+    passthrough = prims("transpose", "reshape", "convert_element_type", "add_any", "copy", "pad", "concatenate", "slice")
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name != "pockjax_grad_tag":
+        if eqn.primitive is not tags.grad_tag_p:
             continue
         stack = [eqn.invars[0]]
         while stack:
@@ -139,9 +146,9 @@ def weight_grad_dots(graph) -> list[C.JaxprEqn]:
             p = producer.get(v)
             if p is None:
                 continue
-            if p.primitive.name == "dot_general":
+            if p.primitive is _P.dot_general_p:
                 found.append(p)
-            elif p.primitive.name in passthrough or p.primitive.name == "slice":
+            elif p.primitive in passthrough:
                 stack.extend(x for x in p.invars if not isinstance(x, C.Literal))
     return found
 

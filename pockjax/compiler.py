@@ -292,6 +292,17 @@ def _signature(flat):
     return tuple(out)
 
 
+def _checked_signature(flat, args, name: str):
+    """:func:`_signature`, or an error naming the leaf that is not an array."""
+    try:
+        return _signature(flat)
+    except (TypeError, ValueError):
+        from pockjax.graph import check_leaves, default_layout
+
+        check_leaves(name, flat, default_layout(args)[2])
+        raise
+
+
 def _is_nnx_module(x) -> bool:
     try:
         from flax import nnx
@@ -359,7 +370,7 @@ class CompiledFunction:
                 f"step(train_state, *batch); got {len(args)} argument(s)"
             )
         flat, tree = jax.tree_util.tree_flatten(args)
-        key = (tree, _signature(flat))
+        key = (tree, _checked_signature(flat, args, name))
         hit = self._cache.get(key)
         if hit is not None:
             return hit

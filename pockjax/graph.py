@@ -275,7 +275,7 @@ def trace_step(
         if len(paths) != len(flat_args):
             raise ValueError(f"paths has {len(paths)} entries for {len(flat_args)} input leaves")
         in_paths = list(paths)
-    _check_leaves(name, flat_args, in_paths)
+    check_leaves(name, flat_args, in_paths)
     avals = _avals(flat_args)
     param_idx = [i for i, r in enumerate(in_roles) if r == PARAM]
     C.check_tagging_works()
@@ -348,7 +348,7 @@ def trace_step(
     )
 
 
-def _check_leaves(name: str, flat_args, paths) -> None:
+def check_leaves(name: str, flat_args, paths) -> None:
     """Every input leaf must be an array (or a Python number): say which is not."""
     for x, path in zip(flat_args, paths):
         if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, bool, int, float, complex)):
@@ -369,17 +369,18 @@ def inline_calls(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
     example, a channel slice reaches a weight-gradient ``dot_general`` that
     autodiff placed inside one. Nested control flow (``scan``...) is kept.
     """
+    from pockjax._src import jaxpr as core
     from pockjax.transforms import _interp
 
     def has_call(eqn):
-        return eqn.primitive.name in ("jit", "pjit", "closed_call")
+        return eqn.primitive in (C.primitives.jit_p, C.primitives.closed_call_p)
 
     if not any(has_call(e) for e in closed.jaxpr.eqns):
         return closed
 
     def rule(eqn, invals):
         if has_call(eqn):
-            body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            body = eqn.params[core.CALL_BODY[eqn.primitive]]
             inner = body.jaxpr if hasattr(body, "jaxpr") else body
             consts = list(body.consts) if hasattr(body, "consts") else []
             return _interp.eval_jaxpr_with(inner, consts, invals, rule)

@@ -32,11 +32,15 @@ import jax.extend as jex
 import jax.numpy as jnp
 from jax import lax
 
+from pockjax._src import jaxpr as J
+
 __all__ = ["rewrite_jaxpr_fun", "scatter_add_to_select", "scatter_add_as_select"]
 
-# Call-like primitives whose body is inlined (and rewritten) by the interpreter.
-_CALL_PARAMS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-                "custom_jvp_call": "call_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr"}
+# Call-like primitives whose body is inlined (and rewritten) by the interpreter
+# (Primitive -> body param): jit, closed_call, custom_jvp_call and remat/checkpoint.
+_CALL_PARAMS = {
+    p: J.CALL_BODY[p] for p in (J.P.jit_p, J.P.closed_call_p, J.P.custom_jvp_call_p, J.P.remat_p)
+}
 
 
 def scatter_add_as_select(operand, indices, updates, dimension_numbers, mode) -> Any | None:
@@ -109,53 +113,43 @@ def scatter_add_as_select(operand, indices, updates, dimension_numbers, mode) ->
 
 
 def _eval(jaxpr, consts, args, rules):
-    env: dict[Any, Any] = {}
+    """Evaluate ``jaxpr`` with ``rules`` (Primitive -> rule), inlining the calls of :data:`_CALL_PARAMS`."""
 
-    def read(v):
-        return v.val if isinstance(v, jex.core.Literal) else env[v]
-
-    for v, c in zip(jaxpr.constvars, consts):
-        env[v] = c
-    for v, a in zip(jaxpr.invars, args):
-        env[v] = a
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        name = eqn.primitive.name
+    def rule(eqn, invals):
         outs = None
-        if name in rules:
-            outs = rules[name](*invals, **eqn.params)
+        fn = rules.get(eqn.primitive)
+        if fn is not None:
+            outs = fn(*invals, **eqn.params)
             if outs is not None and not eqn.primitive.multiple_results:
                 outs = [outs]
-        if outs is None and name in _CALL_PARAMS and _CALL_PARAMS[name] in eqn.params:
-            inner = eqn.params[_CALL_PARAMS[name]]
+        param = _CALL_PARAMS.get(eqn.primitive)
+        if outs is None and param is not None and param in eqn.params:
+            inner = eqn.params[param]
             if isinstance(inner, jex.core.ClosedJaxpr):
                 outs = _eval(inner.jaxpr, inner.consts, invals, rules)
             elif isinstance(inner, jex.core.Jaxpr):
                 outs = _eval(inner, (), invals, rules)
-        if outs is None:
-            params = eqn.primitive.get_bind_params(eqn.params)
-            if isinstance(params, tuple):  # older JAX: (subfuns, params)
-                subfuns, params = params
-                outs = eqn.primitive.bind(*subfuns, *invals, **params)
-            else:
-                with eqn.ctx.manager:
-                    outs = eqn.primitive.bind(*invals, **params)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-        for v, o in zip(eqn.outvars, outs):
-            env[v] = o
-    return [read(v) for v in jaxpr.outvars]
+        return outs  # None: bind the equation as it is
+
+    return J.eval_jaxpr_with(jaxpr, consts, args, rule)
 
 
-def rewrite_jaxpr_fun(fun: Callable, flat_avals: Sequence[Any], rules: dict[str, Callable]) -> Callable:
+def _primitive_keys(rules: dict) -> dict:
+    """``rules`` keyed by Primitive objects (primitive names are looked up once, here)."""
+    return {J.prim(k) if isinstance(k, str) else k: v for k, v in rules.items()}
+
+
+def rewrite_jaxpr_fun(fun: Callable, flat_avals: Sequence[Any], rules: dict[Any, Callable]) -> Callable:
     """Traces ``fun`` and returns a function that re-evaluates it with ``rules``.
 
-    ``rules`` maps primitive names to ``rule(*invals, **params)`` returning the
-    output (or None to keep the original equation). Calls (``pjit``,
-    ``closed_call``, ``custom_jvp_call``, remat) are inlined so rules reach
+    ``rules`` maps Primitive objects (or primitive names, looked up once) to
+    ``rule(*invals, **params)`` returning the output (or None to keep the
+    original equation). Calls (``jit``, ``closed_call``, ``custom_jvp_call``,
+    remat/checkpoint) are inlined so rules reach
     into them; other higher-order primitives (``scan``, ``while``, ``cond``)
     are kept as they are.
     """
+    rules = _primitive_keys(rules)
     avals = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in flat_avals]
     closed = jax.make_jaxpr(fun)(*avals)
     out_tree = jax.tree.structure(jax.eval_shape(fun, *avals))
@@ -173,13 +167,13 @@ def _scatter_add_rule(operand, indices, updates, *, dimension_numbers, mode, **_
 
 def scatter_add_to_select(fun: Callable, flat_avals: Sequence[Any]) -> Callable:
     """``fun`` with every one-update-per-element ``scatter-add`` turned into compare+select."""
-    return rewrite_jaxpr_fun(fun, flat_avals, {"scatter-add": _scatter_add_rule})
+    return rewrite_jaxpr_fun(fun, flat_avals, {J.P.scatter_add_p: _scatter_add_rule})
 
 
 
 # Primitives that only move data: an operand computed from a step input through
 # these alone is packed straight from the input, and needs no barrier.
-_LAYOUT_PRIMITIVES = ("transpose", "reshape", "convert_element_type", "squeeze", "expand_dims")
+_LAYOUT_PRIMITIVES = J.prims("transpose", "reshape", "convert_element_type", "squeeze", "expand_dims")
 
 
 # A batch-free matmul whose contraction is shorter than this gets a barrier on its
@@ -238,11 +232,9 @@ def dot_operands_behind_barrier(fun: Callable, flat_avals: Sequence[Any]) -> Cal
             out = lax.optimization_barrier(out)
         return out
 
-    rules = {"dot_general": dot_rule}
-    for name in _LAYOUT_PRIMITIVES:
-        prim = getattr(lax, f"{name}_p", None)
-        if prim is not None:
-            rules[name] = layout_rule(prim)
+    rules = {J.P.dot_general_p: dot_rule}
+    for prim in _LAYOUT_PRIMITIVES:
+        rules[prim] = layout_rule(prim)
     inner = rewrite_jaxpr_fun(fun, flat_avals, rules)
 
     def rewritten(*args):

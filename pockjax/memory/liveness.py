@@ -59,6 +59,10 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jex_core
 
+from pockjax import tags
+from pockjax._src import jaxpr as J
+from pockjax._src.jaxpr import prims
+
 __all__ = [
     "CATEGORIES",
     "FUSION_MODES",
@@ -97,10 +101,9 @@ ROLE_CATEGORY: dict[str, str] = {
 _CAT_INDEX = {c: i for i, c in enumerate(CATEGORIES)}
 
 # Primitives whose results are their operands (no new buffer).
-_ALIAS_PRIMITIVES = frozenset(
-    {"optimization_barrier", "pockjax_param_tag", "pockjax_tangent_tag", "pockjax_grad_tag"}
-)
-_GRAD_TAG = "pockjax_grad_tag"
+# Primitive-object tables (names only to build them).
+_ALIAS_PRIMITIVES = prims("optimization_barrier", "pockjax_param_tag", "pockjax_tangent_tag", "pockjax_grad_tag")
+_GRAD_TAG = tags.grad_tag_p
 
 # Phases of an equation, read from its name stack.
 _OTHER, _FORWARD, _BACKWARD = 0, 1, 2
@@ -186,18 +189,15 @@ class _Node:
     outs: tuple[int, ...]  # value ids defined
     extra: int = 0  # peak bytes of nested temporaries during this node
     phase: int = _OTHER
+    prim: Any = None  # the Primitive object (None for a "literal" node)
 
 
+# Call-like primitives inlined with ``inline_calls`` (Primitive -> body param).
 _CALL_JAXPR_PARAM = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "remat2": "jaxpr",
-    "checkpoint": "jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    p: J.CALL_BODY[p]
+    for p in (
+        J.P.jit_p, J.P.closed_call_p, J.P.remat_p, J.P.custom_jvp_call_p, J.P.custom_vjp_call_p,
+    )
 }
 
 
@@ -271,15 +271,16 @@ class _Flattener:
     ) -> None:
         for eqn in jaxpr.eqns:
             prim = eqn.primitive.name
+            p_obj = eqn.primitive
             ins = [self.read(env, v) for v in eqn.invars]
             ns_local = _name_stack_str(eqn.source_info)
             src = (eqn.source_info,) + sources
             ns = f"{name_stack}/{ns_local}" if name_stack and ns_local else (name_stack or ns_local)
-            if prim in _ALIAS_PRIMITIVES and len(eqn.invars) == len(eqn.outvars) and self.alias_nodes:
+            if p_obj in _ALIAS_PRIMITIVES and len(eqn.invars) == len(eqn.outvars) and self.alias_nodes:
                 node_index = len(self.nodes)
                 outs = []
                 for ov, vid in zip(eqn.outvars, ins):
-                    if prim == _GRAD_TAG and vid is not None:
+                    if p_obj is _GRAD_TAG and vid is not None:
                         self.grad_tagged.add(vid)
                     o = self.new_value(
                         ov.aval, "inter", def_node=node_index, alias_of=-1 if vid is None else vid
@@ -288,17 +289,17 @@ class _Flattener:
                     if not isinstance(ov, jex_core.DropVar):
                         self.bind(env, ov, o)
                 uniq = tuple(dict.fromkeys(v for v in ins if v is not None))
-                self.nodes.append(_Node(prim, path, ns, src, uniq, tuple(outs), phase=_phase_of(ns)))
+                self.nodes.append(_Node(prim, path, ns, src, uniq, tuple(outs), phase=_phase_of(ns), prim=p_obj))
                 continue
-            if prim in _ALIAS_PRIMITIVES and len(eqn.invars) == len(eqn.outvars):
+            if p_obj in _ALIAS_PRIMITIVES and len(eqn.invars) == len(eqn.outvars):
                 for ov, vid in zip(eqn.outvars, ins):
                     if vid is None:  # a literal passed through: give it a real value
                         vid = self.literal_value(ov, path, ns, src)
-                    if prim == _GRAD_TAG:
+                    if p_obj is _GRAD_TAG:
                         self.grad_tagged.add(vid)
                     self.bind(env, ov, vid)
                 continue
-            param = _CALL_JAXPR_PARAM.get(prim)
+            param = _CALL_JAXPR_PARAM.get(p_obj)
             if self.inline_calls and param is not None and param in eqn.params:
                 inner, consts = _open(eqn.params[param])
                 inner_env: dict = {}
@@ -335,26 +336,27 @@ class _Flattener:
                     outs=tuple(outs),
                     extra=self.nested_extra(eqn),
                     phase=_phase_of(ns),
+                    prim=p_obj,
                 )
             )
 
     # -- nested programs: the peak of their own temporaries ----------------------------
 
     def nested_extra(self, eqn: Any) -> int:
-        prim = eqn.primitive.name
+        prim = eqn.primitive
         p = eqn.params
-        if prim == "scan":
+        if prim is J.P.scan_p:
             body, _ = _open(p["jaxpr"])
             n_alias = p["num_consts"] + p["num_carry"]
             return self.inner_peak(body, n_alias, alias_outs=0)
-        if prim == "while":
+        if prim is J.P.while_p:
             body, _ = _open(p["body_jaxpr"])
             cond, _ = _open(p["cond_jaxpr"])
             return max(
                 self.inner_peak(body, len(body.invars), alias_outs=0),
                 self.inner_peak(cond, len(cond.invars), alias_outs=len(cond.outvars)),
             )
-        if prim == "cond":
+        if prim is J.P.cond_p:
             return max(
                 (self.inner_peak(_open(b)[0], 10**9, alias_outs=10**9) for b in p["branches"]),
                 default=0,
@@ -417,25 +419,21 @@ FUSION_MODES = ("none", "single", "xla")
 
 # An elementwise result that is fused away is computed inside its consumers; its
 # operands then live until those consumers run.
-_CHEAP_ELEMENTWISE = frozenset(
-    {
-        "add", "sub", "mul", "neg", "max", "min", "abs", "sign", "select_n", "clamp",
-        "convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
-        "add_any", "square", "integer_pow", "eq", "ne", "lt", "le", "gt", "ge", "and", "or",
-        "not", "xor", "iota", "copy", "copy_p", "transpose", "stop_gradient", "slice", "pad",
-        "concatenate", "rev", "floor", "ceil", "round", "is_finite", "nextafter", "real", "imag",
-    }
+_CHEAP_ELEMENTWISE = prims(
+    "add", "sub", "mul", "neg", "max", "min", "abs", "sign", "select_n", "clamp",
+    "convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+    "add_any", "square", "integer_pow", "eq", "ne", "lt", "le", "gt", "ge", "and", "or",
+    "not", "xor", "iota", "copy", "transpose", "stop_gradient", "slice", "pad",
+    "concatenate", "rev", "floor", "ceil", "round", "is_finite", "nextafter", "real", "imag",
 )
-_EXPENSIVE_ELEMENTWISE = frozenset(
-    {
-        "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan",
-        "sqrt", "rsqrt", "cbrt", "pow", "div", "rem", "erf", "erfc", "erf_inv", "atan2",
-        "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "lgamma", "digamma",
-    }
+_EXPENSIVE_ELEMENTWISE = prims(
+    "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan",
+    "sqrt", "rsqrt", "cbrt", "pow", "div", "rem", "erf", "erfc", "erf_inv", "atan2",
+    "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "lgamma", "digamma",
 )
 _FUSIBLE_PRODUCERS = _CHEAP_ELEMENTWISE | _EXPENSIVE_ELEMENTWISE
-_FUSIBLE_CONSUMERS = _FUSIBLE_PRODUCERS | frozenset(
-    {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin"}
+_FUSIBLE_CONSUMERS = _FUSIBLE_PRODUCERS | prims(
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin"
 )
 
 
@@ -474,12 +472,12 @@ class _Program:
             for vid, v in enumerate(values):
                 if v.kind != "inter" or vid in self.pinned or v.def_node < 0 or self.fused[vid]:
                     continue
-                prim = nodes[v.def_node].primitive
+                prim = nodes[v.def_node].prim
                 cons = self.consumers[vid]
                 if not (
                     cons
                     and prim in _FUSIBLE_PRODUCERS
-                    and all(nodes[c].primitive in _FUSIBLE_CONSUMERS for c in cons)
+                    and all(nodes[c].prim in _FUSIBLE_CONSUMERS for c in cons)
                 ):
                     continue
                 if len(cons) > 1:

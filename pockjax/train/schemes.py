@@ -83,10 +83,18 @@ def llama_scheme(name: str, config: Any, *, blocks: int | None = None,
         return pockjax.UpdateScheme.full()
     if key in ("norm-only", "norm"):
         return pockjax.UpdateScheme.norm_only()
+    if key == "paper" and getattr(config, "scan_layers", False):
+        # stacked blocks: the same tensors, as rows of the leading layer axis;
+        # the backward scan then runs over the trained blocks only
+        last = list(_last_blocks(config, blocks))
+        rows = pockjax.channels(indices=last, axis=0)
+        n = len(last)
+        return pockjax.UpdateScheme([(f"layers.{t}.kernel", rows) for t in _PAPER_TENSORS],
+                                    name=f"paper (last {n} block{'s' if n > 1 else ''}, stacked)")
     if key in ("paper", "channels"):
         if getattr(config, "scan_layers", False):
-            raise SchemeError(f"the {key!r} scheme names blocks one by one; load the model"
-                              f" with unrolled layers (scan_layers=False)")
+            raise SchemeError(f"the {key!r} scheme selects channels within each block; load the"
+                              f" model with unrolled layers (scan_layers=False)")
         rule = "full" if key == "paper" else pockjax.channels(float(fraction))
         rules = [(f"layers.{i}.{t}.kernel", rule)
                  for i in _last_blocks(config, blocks) for t in _PAPER_TENSORS]

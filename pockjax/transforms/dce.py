@@ -5,7 +5,7 @@ the weight-gradient ops that produced them, and every activation-gradient op
 that fed only those, have no live consumer: this pass removes them, so the
 backward pass stops at the earliest trained layer by itself.
 
-Rules live in ``DCE_RULES`` (primitive name -> ``rule(used_outputs, eqn) ->
+Rules live in ``DCE_RULES`` (Primitive object -> ``rule(used_outputs, eqn) ->
 (used_inputs, new_eqn | None)``). The default rule drops an effect-free
 equation whose outputs are all unused and keeps all inputs of one that is
 used. Primitives with nested jaxprs use JAX's own DCE rule for them (which
@@ -19,11 +19,12 @@ from __future__ import annotations
 from typing import Callable
 
 from pockjax import _compat as C
+from pockjax._src import jaxpr as J
 from pockjax.errors import UnsupportedPrimitiveError
 from pockjax.graph import TrainGraph
 
 DceRule = Callable[[list, C.JaxprEqn], tuple]
-DCE_RULES: dict[str, DceRule] = {}
+DCE_RULES: dict[C.Primitive, DceRule] = J.PrimitiveTable()
 
 
 def _default_rule(used_outputs, eqn):
@@ -47,8 +48,8 @@ def _jax_rule(name: str) -> DceRule:
 
 
 for _prim in list(C.dce_rules):
-    DCE_RULES[_prim.name] = _jax_rule(_prim.name)
-DCE_RULES["while"] = _keep_whole
+    DCE_RULES[_prim] = _jax_rule(_prim.name)
+DCE_RULES[C.primitives.while_p] = _keep_whole
 
 
 def dce_jaxpr(jaxpr: C.Jaxpr, used_outputs: list[bool] | None = None) -> tuple[C.Jaxpr, list[bool]]:
@@ -62,9 +63,9 @@ def dce_jaxpr(jaxpr: C.Jaxpr, used_outputs: list[bool] | None = None) -> tuple[C
     for eqn in reversed(jaxpr.eqns):
         used_outs = [not isinstance(v, C.DropVar) and v in live for v in eqn.outvars]
         name = eqn.primitive.name
-        rule = DCE_RULES.get(name)
+        rule = DCE_RULES.get(eqn.primitive)
         if rule is None:
-            if C.subjaxprs_of(eqn):
+            if J.subjaxprs(eqn, strict=False):
                 raise UnsupportedPrimitiveError(
                     f"dce has no rule for primitive '{name}', which holds nested jaxprs; "
                     f"register one in pockjax.transforms.dce.DCE_RULES"

@@ -35,7 +35,7 @@ from typing import Any
 
 from pockjax import _compat as C
 from pockjax.graph import TrainGraph
-from pockjax.transforms._interp import is_var, producers
+from pockjax._src.jaxpr import is_var, producers, subjaxprs
 
 __all__ = ["fold_dot_transpose", "fold_dot_transpose_jaxpr"]
 
@@ -86,7 +86,7 @@ def fold_dot_transpose_jaxpr(jaxpr: C.Jaxpr) -> tuple[C.Jaxpr, int]:
             uses[v] = uses.get(v, 0) + 1
     folded, dead = 0, set()
     for i, e in enumerate(eqns):
-        subs = C.subjaxprs_of(e)
+        subs = subjaxprs(e, strict=False)
         if subs:
             params = dict(e.params)
             for name, value in subs:
@@ -94,10 +94,10 @@ def fold_dot_transpose_jaxpr(jaxpr: C.Jaxpr) -> tuple[C.Jaxpr, int]:
                 folded += n
             eqns[i] = e.replace(params=params)
             continue
-        if e.primitive.name != "transpose" or not is_var(e.invars[0]):
+        if e.primitive is not C.primitives.transpose_p or not is_var(e.invars[0]):
             continue
         k = made_by.get(e.invars[0])
-        if k is None or k in dead or eqns[k].primitive.name != "dot_general" or uses[e.invars[0]] != 1:
+        if k is None or k in dead or eqns[k].primitive is not C.primitives.dot_general_p or uses[e.invars[0]] != 1:
             continue
         dot = eqns[k]
         params = _swapped_dot_params(dot, e)

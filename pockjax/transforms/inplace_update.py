@@ -53,7 +53,7 @@ import jax
 from pockjax import _compat as C
 from pockjax import tags
 from pockjax.graph import TrainGraph
-from pockjax.transforms import _interp
+from pockjax._src import jaxpr as _interp
 
 __all__ = ["inplace_update", "update_schedule"]
 

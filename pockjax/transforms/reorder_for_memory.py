@@ -38,23 +38,22 @@ import numpy as np
 
 from pockjax import _compat as C
 from pockjax.graph import TrainGraph
-from pockjax.transforms import _interp
+from pockjax._src import jaxpr as _interp
+from pockjax._src.jaxpr import prims
 
 __all__ = ["reorder_for_memory"]
 
 _STATE_ROLES = ("param", "opt_state", "model_state")
 
-# elementwise primitives worth recomputing, and their FLOPs per element
-_CHEAP = frozenset(
-    {
-        "add", "sub", "mul", "neg", "max", "min", "abs", "select_n", "convert_element_type",
-        "square", "integer_pow", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
-        "sign", "clamp", "add_any", "transpose", "pockjax_param_tag",
-    }
+# elementwise primitives worth recomputing, and their FLOPs per element (Primitive objects)
+_CHEAP = prims(
+    "add", "sub", "mul", "neg", "max", "min", "abs", "select_n", "convert_element_type",
+    "square", "integer_pow", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+    "sign", "clamp", "add_any", "transpose", "pockjax_param_tag",
 )
-_TRANSCENDENTAL = frozenset({"exp", "log", "tanh", "logistic", "rsqrt", "sqrt", "div", "erf", "sin", "cos"})
-_NO_FLOP = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "transpose",
-                      "pockjax_param_tag"})
+_TRANSCENDENTAL = prims("exp", "log", "tanh", "logistic", "rsqrt", "sqrt", "div", "erf", "sin", "cos")
+_NO_FLOP = prims("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "transpose",
+                 "pockjax_param_tag")
 
 
 def _nbytes(aval: Any) -> int:
@@ -110,11 +109,11 @@ def _plan_remat(jaxpr, budget: float, max_depth: int, transcendental_cost: float
 
     def flops(i: int) -> float:
         e = eqns[i]
-        name = e.primitive.name
-        if name in _NO_FLOP:
+        prim = e.primitive
+        if prim in _NO_FLOP:
             return 0.0
         size = float(np.prod(e.outvars[0].aval.shape))
-        return size * (transcendental_cost if name in _TRANSCENDENTAL else 1.0)
+        return size * (transcendental_cost if prim in _TRANSCENDENTAL else 1.0)
 
     def chain_for(v, at: int, depth: int, big: int):
         """Equations (in dependency order) recomputing ``v`` before position ``at``, or None."""
@@ -122,10 +121,10 @@ def _plan_remat(jaxpr, budget: float, max_depth: int, transcendental_cost: float
         if i is None:
             return None
         e = eqns[i]
-        name = e.primitive.name
-        if name not in _CHEAP and name not in _TRANSCENDENTAL:
+        prim = e.primitive
+        if prim not in _CHEAP and prim not in _TRANSCENDENTAL:
             return None
-        if e.effects or C.subjaxprs_of(e) or len(e.outvars) != 1:
+        if e.effects or _interp.subjaxprs(e, strict=False) or len(e.outvars) != 1:
             return None
         chain: list[int] = []
         for u in e.invars:

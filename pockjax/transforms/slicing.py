@@ -9,7 +9,7 @@ inputs: the weight-gradient ``dot_general`` or conv of a channel-ruled kernel
 then has the reduced shape. Ops with no rule compute the
 whole value and are sliced afterwards; that is always correct, only slower.
 
-``PUSH_RULES`` maps a primitive name to ``rule(eqn, out_select) ->
+``PUSH_RULES`` maps a Primitive object to ``rule(eqn, out_select) ->
 (operand forms, params) | None``: for each operand, the
 :class:`~pockjax.scheme.ChannelSelect` it is needed in, or ``None`` for the
 whole value.
@@ -24,6 +24,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from pockjax import _compat as C
+from pockjax._src.jaxpr import PrimitiveTable, prims
 from pockjax.scheme import ChannelSelect
 
 Form = Optional[ChannelSelect]  # None: the whole value
@@ -62,14 +63,14 @@ def sliced_shape(sel: ChannelSelect, shape):
 
 # -- push rules --------------------------------------------------------------
 PushRule = Callable[[C.JaxprEqn, ChannelSelect], Optional[tuple[list[Form], dict]]]
-PUSH_RULES: dict[str, PushRule] = {}
+PUSH_RULES: dict[C.Primitive, PushRule] = PrimitiveTable()
 
-ELEMENTWISE = (
+ELEMENTWISE = prims(
     "add", "sub", "mul", "div", "max", "min", "pow", "neg", "sqrt", "rsqrt", "cbrt",
     "exp", "exp2", "log", "log1p", "expm1", "sign", "abs", "tanh", "logistic", "sin",
     "cos", "tan", "erf", "erf_inv", "select_n", "add_any", "square", "integer_pow",
     "convert_element_type", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
-    "xor", "is_finite", "nextafter", "atan2", "rem", "clamp", "copy", "copy_p",
+    "xor", "is_finite", "nextafter", "atan2", "rem", "clamp", "copy",
     "reduce_precision", "floor", "ceil", "round", "stop_gradient", "real", "imag",
     "pockjax_param_tag", "pockjax_tangent_tag",
 )
@@ -95,8 +96,8 @@ def _elementwise(eqn: C.JaxprEqn, sel: ChannelSelect):
     return forms, dict(eqn.params)
 
 
-for _name in ELEMENTWISE:
-    PUSH_RULES[_name] = _elementwise
+for _prim in ELEMENTWISE:
+    PUSH_RULES[_prim] = _elementwise
 
 
 def _broadcast_in_dim(eqn, sel):
@@ -143,11 +144,11 @@ def _reduce(eqn, sel):
     return [sel.on_axis(kept[sel.axis])], dict(eqn.params)
 
 
-PUSH_RULES["broadcast_in_dim"] = _broadcast_in_dim
-PUSH_RULES["dot_general"] = _dot_general
-PUSH_RULES["transpose"] = _transpose
-for _name in ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"):
-    PUSH_RULES[_name] = _reduce
+PUSH_RULES[C.primitives.broadcast_in_dim_p] = _broadcast_in_dim
+PUSH_RULES[C.primitives.dot_general_p] = _dot_general
+PUSH_RULES[C.primitives.transpose_p] = _transpose
+for _prim in prims("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"):
+    PUSH_RULES[_prim] = _reduce
 
 
 def _conv_general_dilated(eqn, sel):
@@ -194,4 +195,4 @@ def _conv_general_dilated(eqn, sel):
     return [lhs_form, rhs_form], params
 
 
-PUSH_RULES["conv_general_dilated"] = _conv_general_dilated
+PUSH_RULES[C.primitives.conv_general_dilated_p] = _conv_general_dilated

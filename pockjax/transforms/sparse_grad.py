@@ -36,7 +36,9 @@ from pockjax import tags
 from pockjax.errors import PockjaxError, SchemeError
 from pockjax.graph import MODEL_STATE, OPT_STATE, PARAM, TrainGraph
 from pockjax.scheme import ChannelSelect, Frozen, Full, UpdateScheme
-from pockjax.transforms import _interp, slicing
+from pockjax._src import jaxpr as _interp
+from pockjax._src.jaxpr import PrimitiveTable, prims
+from pockjax.transforms import slicing
 from pockjax.transforms.slicing import PUSH_RULES
 
 
@@ -73,30 +75,33 @@ def _zero_add(eqn, vals):
         return _zero_like_out(eqn)
     other = b if za else a if zb else None
     if other is not None and tuple(np.shape(other)) == out:
-        if eqn.primitive.name == "sub" and za:
+        if eqn.primitive is C.primitives.sub_p and za:
             return [jax.lax.neg(other)]
         return [jax.lax.convert_element_type(other, eqn.outvars[0].aval.dtype)]
     return None
 
 
 # rule(eqn, invals) -> outputs, or None to materialize zeros and bind normally.
-ZERO_RULES = {
-    "add": _zero_add,
-    "add_any": _zero_add,
-    "sub": _zero_add,
-    "mul": _zero_if_any,
-    "dot_general": _zero_if_any,
-    "div": lambda eqn, vals: _zero_like_out(eqn) if isinstance(vals[0], ZeroValue) else None,
-    "integer_pow": lambda eqn, vals: _zero_like_out(eqn) if eqn.params["y"] > 0 else None,
-}
-for _name in (
+# Keyed by Primitive objects.
+_P = C.primitives
+ZERO_RULES = PrimitiveTable({
+    _P.add_p: _zero_add,
+    _P.add_jaxvals_p: _zero_add,  # "add_any"
+    _P.sub_p: _zero_add,
+    _P.mul_p: _zero_if_any,
+    _P.dot_general_p: _zero_if_any,
+    _P.div_p: lambda eqn, vals: _zero_like_out(eqn) if isinstance(vals[0], ZeroValue) else None,
+    _P.integer_pow_p: lambda eqn, vals: _zero_like_out(eqn) if eqn.params["y"] > 0 else None,
+})
+for _prim in prims(
     "neg", "square", "abs", "sqrt", "sign", "convert_element_type", "reduce_sum",
     "reduce_max", "reduce_min", "transpose", "reshape", "broadcast_in_dim", "squeeze",
-    "expand_dims", "copy", "copy_p", "slice", "reduce_precision", "real", "imag",
+    "expand_dims", "copy", "slice", "reduce_precision", "real", "imag",
     "pockjax_param_tag", "pockjax_tangent_tag", "pockjax_grad_tag",
 ):
-    ZERO_RULES[_name] = _zero_if_all
-ZERO_RULES["select_n"] = lambda eqn, vals: _zero_if_all(eqn, vals[1:])
+    ZERO_RULES[_prim] = _zero_if_all
+ZERO_RULES[_P.select_n_p] = lambda eqn, vals: _zero_if_all(eqn, vals[1:])
+_FORWARD_TAGS = (tags.param_tag_p, tags.tangent_tag_p)
 
 
 def _materialize(x):
@@ -149,7 +154,6 @@ def _nested_rule(rules: dict[int, RuleOf]):
     """Rule used inside nested jaxprs: apply grad-tag rules, drop other tags."""
 
     def rule(eqn, invals):
-        name = eqn.primitive.name
         if eqn.primitive is tags.grad_tag_p:
             sel = rules.get(eqn.params["index"], Full())
             if isinstance(sel, ChannelSelect) and not sel.is_contiguous:
@@ -158,7 +162,7 @@ def _nested_rule(rules: dict[int, RuleOf]):
                     "inside a nested jaxpr (scan/cond/...); use a count k (first k channels) there"
                 )
             return [_materialize(_grad_tag_rule(sel, invals[0]))]
-        if name in ("pockjax_param_tag", "pockjax_tangent_tag"):
+        if eqn.primitive in _FORWARD_TAGS:
             return [invals[0]]
         return _interp.rewrite_nested(eqn, invals, rule, _is_tag)
 
@@ -167,7 +171,7 @@ def _nested_rule(rules: dict[int, RuleOf]):
 
 def _is_exact_update(eqn, out_demand) -> bool:
     """Whether ``out_demand`` selects exactly the region a dynamic_update_slice wrote."""
-    if eqn.primitive.name != "dynamic_update_slice" or not isinstance(out_demand, ChannelSelect):
+    if eqn.primitive is not C.primitives.dynamic_update_slice_p or not isinstance(out_demand, ChannelSelect):
         return False
     if not out_demand.is_contiguous:
         return False
@@ -358,8 +362,8 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
             for v, f in zip(eqn.invars, forms):
                 request(v, f)
             continue
-        if len(outs) == 1 and isinstance(outs[0], ChannelSelect) and eqn.primitive.name in PUSH_RULES:
-            pushed = PUSH_RULES[eqn.primitive.name](eqn, outs[0])
+        if len(outs) == 1 and isinstance(outs[0], ChannelSelect) and eqn.primitive in PUSH_RULES:
+            pushed = PUSH_RULES[eqn.primitive](eqn, outs[0])
             if pushed is not None:
                 forms, params = pushed
                 modes[k] = ("sliced", forms, params, outs[0])
@@ -450,11 +454,11 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
             elif kind == "sliced":
                 forms, params, sel = mode[1], mode[2], mode[3]
                 invals = [read(v, f) for v, f in zip(eqn.invars, forms)]
-                zrule = ZERO_RULES.get(eqn.primitive.name)
+                zrule = ZERO_RULES.get(eqn.primitive)
                 outs = zrule(eqn, invals) if zrule and any(isinstance(x, ZeroValue) for x in invals) else None
                 if outs is not None and isinstance(outs[0], ZeroValue):
                     outs = [ZeroValue(slicing.sliced_shape(sel, outs[0].shape), outs[0].dtype)]
-                if outs is None and eqn.primitive.name in ("pockjax_param_tag", "pockjax_tangent_tag"):
+                if outs is None and eqn.primitive in _FORWARD_TAGS:
                     outs = [invals[0]]
                 if outs is None:
                     outs = _interp.bind_eqn(eqn, [_materialize(x) for x in invals], params)
@@ -463,11 +467,11 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
                 invals = [read(v, None) for v in eqn.invars]
                 outs = None
                 if any(isinstance(x, ZeroValue) for x in invals):
-                    zrule = ZERO_RULES.get(eqn.primitive.name)
+                    zrule = ZERO_RULES.get(eqn.primitive)
                     outs = zrule(eqn, invals) if zrule else None
                     if outs is None:
                         invals = [_materialize(x) for x in invals]
-                if outs is None and eqn.primitive.name in ("pockjax_param_tag", "pockjax_tangent_tag"):
+                if outs is None and eqn.primitive in _FORWARD_TAGS:
                     outs = [invals[0]]
                 if outs is None:
                     outs = nested(eqn, invals)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pockjax import tags
 from pockjax.graph import TrainGraph
-from pockjax.transforms import _interp
+from pockjax._src import jaxpr as _interp
 
 
 def _is_tag(eqn) -> bool:

@@ -1,0 +1,105 @@
+"""pockjax with an all-full scheme against ``jax.jit`` of the same step, on the test corpus.
+
+The corpus (``tests/corpus_programs.py``) holds user-style programs: Linen and
+NNX CNNs with BatchNorm and Dropout, TrainState classifiers, scanned stacks
+with and without remat, ``lax.cond``, ``custom_vjp``, Optax MultiSteps,
+``inject_hyperparams`` and schedules. Each is trained with ``jax.jit`` (or
+``nnx.jit``) and with ``pockjax.compile(step, scheme=UpdateScheme.full())``;
+rounds alternate between the two so that machine noise hits both alike, and
+the table gives the median step time of each and their ratio (goal: pockjax
+within 1.03x of jit).
+
+Usage: ``python benchmarks/corpus_parity.py [--scale 8] [--rounds 7] [--steps 20]``.
+``--scale`` multiplies the corpus's batch size (and image side for the CNNs),
+so that the step does real work rather than measuring dispatch alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+
+def _block(tree):
+    jax.block_until_ready([x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)])
+
+
+def _runner(program, compiled):
+    """A function running ``steps`` steps from fresh state; returns seconds per step."""
+    from flax import nnx
+
+    def run(steps: int) -> float:
+        state = program.init()
+        batch = program.batches[0]
+        if program.kind == "nnx":
+            model, optimizer = state
+            compiled(model, optimizer, *batch)  # warm
+            _block(nnx.state(model))
+            t = time.perf_counter()
+            for _ in range(steps):
+                aux = compiled(model, optimizer, *batch)
+            _block((aux, nnx.state(model)))
+            return (time.perf_counter() - t) / steps
+        n = program.n_state
+        out = compiled(*state, *batch)
+        state = out[:n]
+        _block(out)
+        t = time.perf_counter()
+        for _ in range(steps):
+            out = compiled(*state, *batch)
+            state = out[:n]
+        _block(out)
+        return (time.perf_counter() - t) / steps
+
+    return run
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=int, default=8, help="batch (and image side) multiplier")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    parser.add_argument("--only", default=None, help="comma-separated program names")
+    args = parser.parse_args(argv)
+
+    import corpus_programs as cp
+    from flax import nnx
+
+    import pockjax
+
+    cp.BATCH *= args.scale
+    cp.IMG *= 2 if args.scale > 1 else 1
+    names = args.only.split(",") if args.only else list(cp.FACTORIES)
+    rows = []
+    for name in names:
+        program = cp.FACTORIES[name]()
+        step = program.make_step(lambda g: g)
+        jit = nnx.jit(step) if program.kind == "nnx" else jax.jit(step, donate_argnums=tuple(range(program.n_state)))
+        pock = pockjax.compile(step, scheme=pockjax.UpdateScheme.full())
+        run_jit, run_pock = _runner(program, jit), _runner(program, pock)
+        jit_t, pock_t = [], []
+        for r in range(args.rounds):
+            first, second = (run_jit, run_pock) if r % 2 == 0 else (run_pock, run_jit)
+            a, b = first(args.steps), second(args.steps)
+            (jit_t, pock_t)[0 if first is run_jit else 1].append(a)
+            (jit_t, pock_t)[1 if first is run_jit else 0].append(b)
+        j, p = statistics.median(jit_t), statistics.median(pock_t)
+        rows.append((name, j, p, p / j))
+        print(f"{name:28s} jit {j * 1e3:8.3f} ms  pockjax {p * 1e3:8.3f} ms  ratio {p / j:5.3f}", flush=True)
+    worst = max(r[3] for r in rows)
+    print(f"\nworst ratio {worst:.3f} (goal <= 1.03); median ratio {statistics.median(r[3] for r in rows):.3f}")
+    print(f"jax {jax.__version__}, {os.cpu_count()} CPUs, scale {args.scale}, rounds {args.rounds} x {args.steps} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

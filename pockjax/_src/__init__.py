@@ -1,0 +1,1 @@
+"""pockjax internals shared by every pass (not a public API)."""
