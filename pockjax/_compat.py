@@ -84,6 +84,7 @@ ShapedArray = _core.ShapedArray
 eval_jaxpr = _core.eval_jaxpr
 dce_rules = pe.dce_rules
 dce_jaxpr = pe.dce_jaxpr
+convert_constvars_jaxpr = pe.convert_constvars_jaxpr
 primitive_transposes = ad.primitive_transposes
 deflinear2 = ad.deflinear2
 primitive_batchers = batching.primitive_batchers

@@ -144,8 +144,14 @@ class CompiledStep:
 
     def call_flat(self, flat_args: Sequence) -> list:
         computed = self.executable(*flat_args)
+        if self._forwards_nothing:
+            return computed
         it = iter(computed)
         return [flat_args[src] if src is not None else next(it) for src in self.passthrough]
+
+    @functools.cached_property
+    def _forwards_nothing(self) -> bool:
+        return all(src is None for src in self.passthrough)
 
     def __call__(self, *args):
         flat, tree = jax.tree_util.tree_flatten(args)
@@ -242,6 +248,10 @@ def xla_compile_options(platform: str, xla_options: dict | None = None) -> dict:
     }
 
 
+class SignatureChanged(Exception):
+    """Raised while jax.jit retraces an XLA step for arguments of another signature."""
+
+
 class XlaExecutable:
     """The XLA backend: ``jax.jit`` of the transformed jaxpr, state donated."""
 
@@ -252,13 +262,26 @@ class XlaExecutable:
         closed = graph.closed_jaxpr
         inner = closed.jaxpr.replace(outvars=[closed.jaxpr.outvars[o] for o in computed_outputs])
         C.check_jaxpr(inner)
-        fun = C.jaxpr_as_fun(C.ClosedJaxpr(inner, closed.consts))
-        self.jitted = jax.jit(fun, donate_argnums=tuple(donate))
+        run = C.jaxpr_as_fun(C.ClosedJaxpr(inner, closed.consts))
         avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in graph.in_avals]
+        expected = [(tuple(a.shape), a.dtype) for a in avals]
+
+        def fun(*args):
+            # traced once per signature: the graph is valid for this one only
+            # (a weak type changes nothing in an already typed jaxpr)
+            got = [(tuple(x.aval.shape), x.aval.dtype) for x in args]
+            if got != expected:
+                raise SignatureChanged()
+            return run(*args)
+
         self.options = xla_compile_options(jax.default_backend(), xla_options)
+        # Calls go through jax.jit's C++ dispatch (the same per-call cost as the
+        # user's own jax.jit); the ahead-of-time compile below fills its
+        # compilation cache and serves cost and memory analysis.
+        self.jitted = jax.jit(fun, donate_argnums=tuple(donate), compiler_options=self.options or None)
         lowered = self.jitted.lower(*avals)
         try:
-            self.compiled = lowered.compile(compiler_options=self.options or None)
+            self.compiled = lowered.compile()
         except Exception as e:  # pragma: no cover - XLA failure reporting
             bad = [k for k in self.options if k in str(e)]
             if bad:
@@ -269,26 +292,39 @@ class XlaExecutable:
             raise BackendError(f"XLA failed to compile the transformed step: {e}") from e
 
     def __call__(self, *flat_args):
-        return self.compiled(*flat_args)
+        return self.jitted(*flat_args)
 
 
 # -- the decorator ----------------------------------------------------------------
+_ARRAY_TYPE = type(jax.numpy.zeros(()))
+
+
 def _signature(flat):
     """Shapes, canonical dtypes and weak types of the step's leaves: the compile cache key.
 
-    Runs on every call (over 800 leaves for SmolLM2's step with AdamW), so arrays
-    are read through ``.shape`` / ``.dtype`` and only Python scalars go through
-    ``result_type``.
+    Runs on every call (over 800 leaves for SmolLM2's step with AdamW): a
+    ``jax.Array`` already holds a canonical dtype and its weak type, so it is
+    read directly; other leaves (NumPy arrays, Python scalars) go through
+    JAX's dtype rules.
     """
+    try:
+        if all(type(x) is _ARRAY_TYPE for x in flat):
+            return tuple([(x.shape, x.dtype, x.weak_type) for x in flat])
+    except TypeError:
+        pass
     out = []
     for x in flat:
+        if type(x) is _ARRAY_TYPE:
+            out.append((x.shape, x.dtype, x.weak_type))
+            continue
         dt = getattr(x, "dtype", None)
         if dt is None:
             dt = jax.dtypes.result_type(x)
         elif not jax.dtypes.issubdtype(dt, jax.dtypes.extended):  # typed PRNG keys stay as they are
             dt = jax.dtypes.canonicalize_dtype(dt)
         shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
-        out.append((shape, str(dt), bool(getattr(x, "weak_type", False))))
+        out.append((shape, np.dtype(dt) if not jax.dtypes.issubdtype(dt, jax.dtypes.extended) else dt,
+                    bool(getattr(x, "weak_type", False))))
     return tuple(out)
 
 
@@ -303,12 +339,19 @@ def _checked_signature(flat, args, name: str):
         raise
 
 
+_NNX_TYPES: tuple | None = None
+
+
 def _is_nnx_module(x) -> bool:
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(x, (nnx.Module, nnx.Optimizer)) if hasattr(nnx, "Optimizer") else isinstance(x, nnx.Module)
+    global _NNX_TYPES
+    if _NNX_TYPES is None:
+        try:
+            from flax import nnx
+        except ImportError:  # pragma: no cover
+            _NNX_TYPES = ()
+        else:
+            _NNX_TYPES = (nnx.Module, nnx.Optimizer) if hasattr(nnx, "Optimizer") else (nnx.Module,)
+    return isinstance(x, _NNX_TYPES)
 
 
 class CompiledFunction:
@@ -325,6 +368,7 @@ class CompiledFunction:
         self.donate = donate
         self.xla_options = dict(xla_options or {})
         self._cache: dict = {}
+        self._hot: dict = {}
 
     # -- public helpers ---------------------------------------------------------
     def lower(self, *args) -> CompiledStep:
@@ -358,8 +402,21 @@ class CompiledFunction:
     def __call__(self, *args):
         if args and _is_nnx_module(args[0]):
             return self._call_nnx(*args)
+        flat, tree = jax.tree_util.tree_flatten(args)
+        # Hot path: the step last compiled for this tree structure. Its XLA
+        # executable is a jax.jit whose C++ dispatch checks shapes and dtypes;
+        # a new signature makes it retrace, which raises SignatureChanged, and
+        # the slow path below compiles (or finds) the step for it.
+        hot = self._hot.get(tree)
+        if hot is not None:
+            try:
+                return hot.out_builder(hot.call_flat(flat))
+            except SignatureChanged:
+                pass
         compiled = self._functional_compiled(args)
-        return compiled(*args)
+        if isinstance(compiled.executable, XlaExecutable):
+            self._hot[tree] = compiled
+        return compiled.out_builder(compiled.call_flat(flat))
 
     # -- functional steps -------------------------------------------------------
     def _functional_compiled(self, args) -> CompiledStep:
@@ -396,13 +453,10 @@ class CompiledFunction:
         # (a SparseOptState stays sparse); aux outputs as traced.
         state_defs = [jax.tree.structure(a) for a in args[:n_state_args]]
         aux_trees = traced.out_tree.children()[n_state_args:]
+        out_def = jax.tree_util.treedef_tuple([*state_defs, *aux_trees])
 
         def build(flat_out):
-            outs, rest = [], list(flat_out)
-            for t in [*state_defs, *aux_trees]:
-                outs.append(jax.tree_util.tree_unflatten(t, rest[: t.num_leaves]))
-                rest = rest[t.num_leaves :]
-            return tuple(outs)
+            return jax.tree_util.tree_unflatten(out_def, flat_out)
 
         compiled = self._finish(traced, graph, tree, build)
         self._cache[key] = compiled
@@ -459,12 +513,17 @@ class CompiledFunction:
         )
 
     # -- Flax NNX steps -------------------------------------------------------------
-    def _nnx_compiled(self, model, optimizer, *batch):
+    def _nnx_compiled(self, model, optimizer, *batch, split=None):
         from flax import nnx
 
-        graphdef, state = nnx.split((model, optimizer))
-        flat_vars = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+        graphdef, state = nnx.split((model, optimizer)) if split is None else split
         leaves, state_def = jax.tree_util.tree_flatten(state)
+        batch_flat, batch_def = jax.tree_util.tree_flatten(batch)
+        key = ("nnx", graphdef, state_def, _signature(leaves), batch_def, _signature(batch_flat))
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit, state_def, graphdef
+        flat_vars = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
         if len(leaves) != len(flat_vars):
             raise StepSignatureError("unexpected NNX state layout: variables holding several arrays")
         roles, paths = [], []
@@ -477,11 +536,6 @@ class CompiledFunction:
             else:
                 roles.append(OPT_STATE)
                 paths.append(f"opt_state.{rest}")
-        batch_flat, batch_def = jax.tree_util.tree_flatten(batch)
-        key = ("nnx", graphdef, state_def, _signature(leaves), batch_def, _signature(batch_flat))
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit, state_def, graphdef
         step = self.step
 
         def functional(state_leaves, *batch_args):
@@ -516,10 +570,22 @@ class CompiledFunction:
     def _call_nnx(self, model, optimizer, *batch):
         from flax import nnx
 
-        compiled, state_def, _ = self._nnx_compiled(model, optimizer, *batch)
-        _, state = nnx.split((model, optimizer))
-        leaves = jax.tree.leaves(state)
-        new_leaves, aux = compiled(list(leaves), *batch)
+        graphdef, state = nnx.split((model, optimizer))
+        leaves, state_def = jax.tree_util.tree_flatten(state)
+        flat = leaves + jax.tree.leaves(batch)
+        hot = self._hot.get(("nnx", graphdef, state_def))
+        result = None
+        if hot is not None:
+            try:
+                result = hot.out_builder(hot.call_flat(flat))
+            except SignatureChanged:
+                pass
+        if result is None:
+            compiled, _, _ = self._nnx_compiled(model, optimizer, *batch, split=(graphdef, state))
+            if isinstance(compiled.executable, XlaExecutable):
+                self._hot[("nnx", graphdef, state_def)] = compiled
+            result = compiled.out_builder(compiled.call_flat(flat))
+        new_leaves, aux = result
         new_state = jax.tree_util.tree_unflatten(state_def, new_leaves)
         nnx.update((model, optimizer), new_state)
         return aux

@@ -10,6 +10,7 @@ pushed, anything else is computed whole and sliced afterwards.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from jax import lax
 import pockjax
 from pockjax.analysis import eqn_flops
 from pockjax.scheme import ChannelSelect
+from pockjax._src.jaxpr import walk
 from pockjax.transforms import slicing
 from test_sparse_semantics import copy_tree, reference_step
 from toy_models import make_step
@@ -98,6 +100,22 @@ class LaxCNN:
                 jax.random.normal(k2, (self.batch_size, 3, self.size // 2, self.size // 2)))
 
 
+@dataclasses.dataclass(frozen=True)
+class Remat:
+    """A model whose loss runs under ``jax.checkpoint`` (activations recomputed in the backward)."""
+
+    inner: Any
+
+    def init(self, key):
+        return self.inner.init(key)
+
+    def loss(self, params, batch):
+        return jax.checkpoint(self.inner.loss)(params, batch)
+
+    def batch(self, key):
+        return self.inner.batch(key)
+
+
 def _setup(model):
     tx = optax.adam(1e-2)
     params = model.init(jax.random.key(0))
@@ -131,6 +149,7 @@ VALUE_CASES = {
     "flax-in-channels": (FlaxCNN(), {"conv2.kernel": pockjax.channels(0.5, axis=2), "conv1.kernel": pockjax.channels(1)}),
     "flax-dw-multiplier1": (FlaxCNN(multiplier=1), {"dw.kernel": pockjax.channels(indices=[0, 2, 3])}),
     "flax-dw-whole-groups-indices": (FlaxCNN(), {"dw.kernel": pockjax.channels(indices=[2, 3, 6, 7])}),
+    "flax-remat": (Remat(FlaxCNN()), {"conv1.kernel": HALF, "dw.kernel": HALF, "conv2.kernel": HALF}),
     "lax-nchw": (LaxCNN(), {"conv1.kernel": pockjax.channels(0.5, axis=0), "dw.kernel": pockjax.channels(0.5, axis=0),
                             "conv2.kernel": pockjax.channels(0.5, axis=1)}),
 }
@@ -164,15 +183,19 @@ def _weight_grad_flops(model, rules, layer):
     kshape = params[layer]["kernel"].shape
     rule = rules[f"{layer}.kernel"]
     sliced = rule.axis % len(kshape) if isinstance(rule, pockjax.Channels) else None
-    total = 0.0
-    for eqn in compiled.graph.jaxpr.eqns:
+    found = []
+
+    def visit(eqn, times):  # at any depth: under jax.checkpoint the backward sits in nested jaxprs
         if eqn.primitive.name != "conv_general_dilated":
-            continue
+            return
         if eqn.params["dimension_numbers"].out_spec[0] == 0:  # forward / data-gradient conv: NHWC or NCHW out
-            continue
+            return
         out = eqn.outvars[0].aval.shape
         if all(out[d] == kshape[d] for d in range(len(kshape)) if d != sliced):
-            total += eqn_flops(eqn)
+            found.append(times * eqn_flops(eqn))
+
+    walk(compiled.graph.jaxpr, visit)
+    total = sum(found)
     assert total > 0, f"no weight-gradient conv found for {layer}"
     return total
 
@@ -183,6 +206,8 @@ FLOP_CASES = {
     "depthwise": (FlaxCNN(multiplier=1), "dw", HALF),
     "depthwise-multiplier2": (FlaxCNN(multiplier=2), "dw", HALF),
     "lax-nchw-regular": (LaxCNN(), "conv1", pockjax.channels(0.5, axis=0)),
+    "remat-regular": (Remat(FlaxCNN()), "conv1", HALF),
+    "remat-depthwise": (Remat(FlaxCNN(multiplier=1)), "dw", HALF),
     "lax-nchw-depthwise": (LaxCNN(), "dw", pockjax.channels(0.5, axis=0)),
 }
 

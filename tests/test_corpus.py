@@ -291,3 +291,38 @@ def test_all_frozen_scheme_raises(name):
 def test_scheme_naming_only_model_state_raises(name, rules):
     with pytest.raises(pockjax.SchemeError):
         _call(program(name), pockjax.UpdateScheme(rules))
+
+
+# -- IREE -----------------------------------------------------------------------------------
+@pytest.mark.iree
+@pytest.mark.parametrize("name", ["linen_cnn_bn_dropout", "nnx_cnn_bn_dropout", "scan_remat_stack"])
+def test_iree_cpu_matches_xla(name, tmp_path):
+    """Dropout keys, BatchNorm statistics and a scanned stack through IREE's cpu target.
+
+    Typed keys cross the module boundary as key data; the step's state stays on
+    the IREE device between calls. The exported module, loaded by the JAX-free
+    runtime, continues from the same state.
+    """
+    prog = program(name)
+    scheme = schemes_for(prog, param_shapes(prog, prog.init()))[-1]
+    on_xla, on_iree = fresh_state(prog)
+    xla = pockjax.compile(prog.make_step(identity), scheme=scheme)
+    iree = pockjax.compile(prog.make_step(identity), scheme=scheme, target="cpu")
+    for t, batch in enumerate(prog.batches):
+        on_xla, aux_xla = pockjax_step(prog, xla, on_xla, batch)
+        on_iree, aux_iree = pockjax_step(prog, iree, on_iree, batch)
+        assert_same_tree(aux_iree, aux_xla, f"{name} aux, step {t}")
+        got, want = flat_state(prog, on_iree)[1], flat_state(prog, on_xla)[1]
+        assert_same_tree(got, want, f"{name} state, step {t}")
+    if prog.kind == "nnx":
+        return
+    # export with the current state as weights; the runtime (no JAX) runs the next step
+    from pockjax import runtime
+
+    batch = prog.batches[0]
+    iree.export(str(tmp_path / "module"), *on_iree, *batch)
+    module = runtime.load(str(tmp_path / "module"))
+    flat_batch = [np.asarray(jax.random.key_data(x) if is_key(x) else x) for x in jax.tree.leaves(batch)]
+    aux = module.step(*flat_batch)
+    _, want_aux = pockjax_step(prog, xla, on_xla, batch)
+    np.testing.assert_allclose(np.asarray(aux[0]), snapshot(jax.tree.leaves(want_aux)[0]), **TOL)

@@ -228,6 +228,237 @@ def _scan_first_iterations(eqn, out_demands):
     return forms, dict(params, length=sel.count), out_forms
 
 
+class _Requests:
+    """The demand analysis' record: the forms each value is requested in.
+
+    A form is ``None`` (the whole value) or a :class:`ChannelSelect`; a value
+    with no request is dead, one requested in several forms is needed whole.
+    """
+
+    def __init__(self):
+        self.forms: dict = {}
+
+    def add(self, v, form) -> None:
+        if not isinstance(v, C.Literal):
+            self.forms.setdefault(v, []).append(form)
+
+    def of(self, v):
+        forms = self.forms.get(v)
+        if not forms:
+            return "dead"
+        first = forms[0]
+        return first if all(f == first for f in forms) else None
+
+
+def _plan(eqns, req: _Requests, rules: dict, param_shapes: dict) -> list:
+    """Walk ``eqns`` backwards; choose how each computes its demanded outputs.
+
+    Returns one mode per equation: ``("dead",)``, ``("zero",)`` (a frozen
+    gradient), ``("grad_select", sel, out)`` / ``("identity", out)`` (a
+    gradient tag), ``("forward_update",)``, ``("scan_first", ...)`` (see
+    :func:`_scan_first_iterations`), ``("call_body", ...)`` (a ``remat``
+    body rewritten with the demands of its outputs), ``("sliced", forms,
+    params, sel)`` (a push rule) or ``("full",)``. Requests for the
+    equations' operands are added to ``req`` on the way.
+    """
+    modes = [None] * len(eqns)
+    for k in range(len(eqns) - 1, -1, -1):
+        eqn = eqns[k]
+        outs = [req.of(v) if not isinstance(v, C.DropVar) else "dead" for v in eqn.outvars]
+        if all(d == "dead" for d in outs) and not eqn.effects:
+            modes[k] = ("dead",)
+            continue
+        if eqn.primitive is tags.grad_tag_p:
+            rule = rules.get(eqn.params["index"], Full())
+            if tuple(eqn.invars[0].aval.shape) != param_shapes.get(eqn.params["index"]):
+                rule = Full()  # already sliced by an earlier sparse_grad: leave as is
+            if isinstance(rule, Frozen):
+                modes[k] = ("zero",)
+                continue
+            if isinstance(rule, ChannelSelect):
+                modes[k] = ("grad_select", rule, outs[0])
+                req.add(eqn.invars[0], rule)
+                continue
+            modes[k] = ("identity", outs[0])
+            req.add(eqn.invars[0], outs[0] if outs[0] != "dead" else None)
+            continue
+        if _is_exact_update(eqn, outs[0]):
+            # the selected channels of dynamic_update_slice(x, update) are `update`
+            modes[k] = ("forward_update",)
+            req.add(eqn.invars[1], None)
+            continue
+        first_iterations = _scan_first_iterations(eqn, outs)
+        if first_iterations is not None:
+            forms, params, out_forms = first_iterations
+            modes[k] = ("scan_first", forms, params, out_forms)
+            for v, f in zip(eqn.invars, forms):
+                req.add(v, f)
+            continue
+        if eqn.primitive is C.primitives.remat_p and any(isinstance(d, ChannelSelect) for d in outs):
+            # jax.checkpoint: the backward (weight gradients included) sits in the
+            # remat body; plan the body with its outputs' demands
+            body = eqn.params["jaxpr"]
+            inner = _Requests()
+            for v, d in zip(body.outvars, outs):
+                if d != "dead":
+                    inner.add(v, d)
+            modes[k] = ("call_body", inner, _plan(body.eqns, inner, rules, param_shapes), outs)
+            for v in eqn.invars:
+                req.add(v, None)
+            continue
+        if len(outs) == 1 and isinstance(outs[0], ChannelSelect) and eqn.primitive in PUSH_RULES:
+            pushed = PUSH_RULES[eqn.primitive](eqn, outs[0])
+            if pushed is not None:
+                forms, params = pushed
+                modes[k] = ("sliced", forms, params, outs[0])
+                for v, f in zip(eqn.invars, forms):
+                    req.add(v, f)
+                continue
+        modes[k] = ("full",)
+        for v in eqn.invars:
+            req.add(v, None)
+    return modes
+
+
+def _check_sparse_state_use(graph: TrainGraph, req: _Requests, in_form: dict, dropped_inputs: set) -> None:
+    """A sparse optimizer state must be read only where it exists, in its stored form."""
+    invars = graph.jaxpr.invars
+    for i in range(len(invars)):
+        if i in dropped_inputs and req.forms.get(invars[i]):
+            raise PockjaxError(
+                f"optimizer state {graph.in_paths[i]!r} of a frozen parameter is read by the step; "
+                "this optimizer needs the full state: initialise it with tx.init(params) instead"
+            )
+        sel = in_form.get(invars[i])
+        if isinstance(sel, ChannelSelect) and any(f != sel for f in req.forms.get(invars[i], [])):
+            raise PockjaxError(
+                f"optimizer state {graph.in_paths[i]!r} is used whole, not channel by channel; "
+                "this optimizer needs the full state: initialise it with tx.init(params)"
+            )
+
+
+def _read(env: dict, v, form):
+    """Value ``v`` in ``form``, slicing a whole value when a slice is asked for."""
+    if isinstance(v, C.Literal):
+        return v.val
+    have, x = env[v]
+    if have == form:
+        return x
+    if have is None and form is not None:
+        if isinstance(x, ZeroValue):
+            return ZeroValue(slicing.sliced_shape(form, x.shape), x.dtype)
+        return slicing.take(form, x)
+    raise AssertionError(f"value {v} is held as {have}, needed as {form}")
+
+
+def _write(env: dict, v, form, x) -> None:
+    if not isinstance(v, C.DropVar):
+        env[v] = (form, x)
+
+
+def _evaluate(eqns, modes, env: dict, req: _Requests, nested) -> None:
+    """Run ``eqns`` on tracers in ``env``, each computing its planned form."""
+    for eqn, mode in zip(eqns, modes):
+        kind = mode[0]
+        if kind == "dead":
+            continue
+        if kind == "zero":
+            _write(env, eqn.outvars[0], None, _zero_like_out(eqn)[0])
+        elif kind == "grad_select":
+            sel, out_demand = mode[1], mode[2]
+            part = _read(env, eqn.invars[0], sel)
+            if not isinstance(part, ZeroValue):  # keep the gradient findable
+                part = tags.grad_tag_p.bind(part, **eqn.params)
+            if out_demand == sel:
+                _write(env, eqn.outvars[0], sel, part)
+            elif isinstance(part, ZeroValue):
+                _write(env, eqn.outvars[0], None, ZeroValue(tuple(eqn.outvars[0].aval.shape), part.dtype))
+            else:
+                _write(env, eqn.outvars[0], None, slicing.pad(sel, part, eqn.outvars[0].aval.shape))
+        elif kind == "forward_update":
+            _write(env, eqn.outvars[0], req.of(eqn.outvars[0]), _read(env, eqn.invars[1], None))
+        elif kind == "identity":
+            form = mode[1] if mode[1] != "dead" else None
+            value = _read(env, eqn.invars[0], form)
+            if not isinstance(value, ZeroValue):
+                value = tags.grad_tag_p.bind(value, **eqn.params)
+            _write(env, eqn.outvars[0], form, value)
+        elif kind == "scan_first":
+            forms, params, out_forms = mode[1], mode[2], mode[3]
+            invals = [_materialize(_read(env, v, f)) for v, f in zip(eqn.invars, forms)]
+            if _interp.contains(params["jaxpr"], _is_tag):
+                params = dict(params, jaxpr=_interp.retrace(params["jaxpr"], nested))
+            outs = _interp.bind_eqn(eqn, invals, params)
+            for v, f, x in zip(eqn.outvars, out_forms, outs):
+                if f != "dead":
+                    _write(env, v, f, x)
+        elif kind == "call_body":
+            _evaluate_call_body(eqn, mode, env, nested)
+        elif kind == "sliced":
+            forms, params, sel = mode[1], mode[2], mode[3]
+            invals = [_read(env, v, f) for v, f in zip(eqn.invars, forms)]
+            zrule = ZERO_RULES.get(eqn.primitive)
+            outs = zrule(eqn, invals) if zrule and any(isinstance(x, ZeroValue) for x in invals) else None
+            if outs is not None and isinstance(outs[0], ZeroValue):
+                outs = [ZeroValue(slicing.sliced_shape(sel, outs[0].shape), outs[0].dtype)]
+            if outs is None and eqn.primitive in _FORWARD_TAGS:
+                outs = [invals[0]]
+            if outs is None:
+                outs = _interp.bind_eqn(eqn, [_materialize(x) for x in invals], params)
+            _write(env, eqn.outvars[0], sel, outs[0])
+        else:
+            invals = [_read(env, v, None) for v in eqn.invars]
+            outs = None
+            if any(isinstance(x, ZeroValue) for x in invals):
+                zrule = ZERO_RULES.get(eqn.primitive)
+                outs = zrule(eqn, invals) if zrule else None
+                if outs is None:
+                    invals = [_materialize(x) for x in invals]
+            if outs is None and eqn.primitive in _FORWARD_TAGS:
+                outs = [invals[0]]
+            if outs is None:
+                outs = nested(eqn, invals)
+            if outs is None:
+                outs = _interp.bind_eqn(eqn, invals)
+            for v, x in zip(eqn.outvars, outs):
+                _write(env, v, None, x)
+
+
+def _evaluate_call_body(eqn, mode, env: dict, nested) -> None:
+    """Re-bind a ``remat`` equation whose body computes its outputs in their demanded forms.
+
+    Outputs nobody needs come out as zeros (``dce`` then prunes them inside
+    the body); needed ones come out whole or as the demanded channel slice,
+    so a weight-gradient op under ``jax.checkpoint`` computes only the
+    trained channels.
+    """
+    _, inner_req, inner_modes, out_forms = mode
+    body = eqn.params["jaxpr"]
+    invals = [_materialize(_read(env, v, None)) for v in eqn.invars]
+
+    def fun(*args):
+        inner_env = {v: (None, x) for v, x in zip(body.invars, args)}
+        _evaluate(body.eqns, inner_modes, inner_env, inner_req, nested)
+        outs = []
+        for v, form in zip(body.outvars, out_forms):
+            if form == "dead":
+                outs.append(jnp.zeros(v.aval.shape, v.aval.dtype))
+            else:
+                outs.append(_materialize(_read(inner_env, v, form)))
+        return outs
+
+    structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in body.invars]
+    closed = jax.make_jaxpr(fun)(*structs)
+    new_body, consts = closed.jaxpr, list(closed.consts)
+    if consts:  # remat takes an open jaxpr: constants become leading operands
+        new_body = C.convert_constvars_jaxpr(new_body)
+        invals = consts + invals
+    outs = _interp.bind_eqn(eqn, invals, dict(eqn.params, jaxpr=new_body))
+    for v, form, x in zip(eqn.outvars, out_forms, outs):
+        if form != "dead":
+            _write(env, v, form, x)
+
+
 def sparse_grad(scheme: UpdateScheme, *, sparse_opt_state: bool = False, allow_nothing_trained: bool = False):
     """The sparse-update pass for ``scheme``: a function ``TrainGraph -> TrainGraph``.
 
@@ -302,93 +533,22 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
         else:
             in_form[v] = None
 
-    # 2. Demand analysis (backwards).
-    requests: dict = {}
-
-    def request(v, form):
-        if isinstance(v, C.Literal):
-            return
-        requests.setdefault(v, []).append(form)
-
+    # 2. Demand analysis (backwards): the form every value is needed in.
+    req = _Requests()
     for v, plan in zip(outvars, out_plan):
         if plan[0] == "keep":
             if plan[1] not in dropped_inputs:
-                request(invars[plan[1]], None)
+                req.add(invars[plan[1]], None)
         elif plan[0] == "select":
-            request(v, plan[2])
-            request(invars[plan[1]], None)
+            req.add(v, plan[2])
+            req.add(invars[plan[1]], None)
         elif plan[0] == "part":
-            request(v, plan[1])
+            req.add(v, plan[1])
         else:
-            request(v, None)
-
-    def demand(v):
-        forms = requests.get(v)
-        if not forms:
-            return "dead"
-        first = forms[0]
-        return first if all(f == first for f in forms) else None
-
-    modes = [None] * len(jaxpr.eqns)  # per eqn: ("dead",) | ("zero",) | ("sliced", forms, params, sel) | ("full",)
-    for k in range(len(jaxpr.eqns) - 1, -1, -1):
-        eqn = jaxpr.eqns[k]
-        outs = [demand(v) if not isinstance(v, C.DropVar) else "dead" for v in eqn.outvars]
-        if all(d == "dead" for d in outs) and not eqn.effects:
-            modes[k] = ("dead",)
-            continue
-        if eqn.primitive is tags.grad_tag_p:
-            rule = rules.get(eqn.params["index"], Full())
-            if tuple(eqn.invars[0].aval.shape) != tuple(invars[eqn.params["index"]].aval.shape):
-                rule = Full()  # already sliced by an earlier sparse_grad: leave as is
-            if isinstance(rule, Frozen):
-                modes[k] = ("zero",)
-                continue
-            if isinstance(rule, ChannelSelect):
-                modes[k] = ("grad_select", rule, outs[0])
-                request(eqn.invars[0], rule)
-                continue
-            modes[k] = ("identity", outs[0])
-            request(eqn.invars[0], outs[0] if outs[0] != "dead" else None)
-            continue
-        if _is_exact_update(eqn, outs[0]):
-            # the selected channels of dynamic_update_slice(x, update) are `update`
-            modes[k] = ("forward_update",)
-            request(eqn.invars[1], None)
-            continue
-        first_iterations = _scan_first_iterations(eqn, outs)
-        if first_iterations is not None:
-            forms, params, out_forms = first_iterations
-            modes[k] = ("scan_first", forms, params, out_forms)
-            for v, f in zip(eqn.invars, forms):
-                request(v, f)
-            continue
-        if len(outs) == 1 and isinstance(outs[0], ChannelSelect) and eqn.primitive in PUSH_RULES:
-            pushed = PUSH_RULES[eqn.primitive](eqn, outs[0])
-            if pushed is not None:
-                forms, params = pushed
-                modes[k] = ("sliced", forms, params, outs[0])
-                for v, f in zip(eqn.invars, forms):
-                    request(v, f)
-                continue
-        modes[k] = ("full",)
-        for v in eqn.invars:
-            request(v, None)
-
-    def demand_of_update(eqn):
-        return demand(eqn.outvars[0])
-
-    for i in range(len(invars)):
-        if i in dropped_inputs and requests.get(invars[i]):
-            raise PockjaxError(
-                f"optimizer state {graph.in_paths[i]!r} of a frozen parameter is read by the step; "
-                "this optimizer needs the full state: initialise it with tx.init(params) instead"
-            )
-        sel = in_form.get(invars[i])
-        if isinstance(sel, ChannelSelect) and any(f != sel for f in requests.get(invars[i], [])):
-            raise PockjaxError(
-                f"optimizer state {graph.in_paths[i]!r} is used whole, not channel by channel; "
-                "this optimizer needs the full state: initialise it with tx.init(params)"
-            )
+            req.add(v, None)
+    param_shapes = {i: tuple(v.aval.shape) for i, v in enumerate(invars)}
+    modes = _plan(jaxpr.eqns, req, rules, param_shapes)
+    _check_sparse_state_use(graph, req, in_form, dropped_inputs)
 
     # 3. Re-trace, computing each value in the form demanded.
     kept_inputs = [i for i in range(len(invars)) if i not in dropped_inputs]
@@ -400,100 +560,22 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
             env[invars[i]] = (in_form[invars[i]], x)
         for v, c in zip(jaxpr.constvars, graph.closed_jaxpr.consts):
             env[v] = (None, c)
-
-        def read(v, form):
-            if isinstance(v, C.Literal):
-                return v.val
-            have, x = env[v]
-            if have == form:
-                return x
-            if have is None and form is not None:
-                if isinstance(x, ZeroValue):
-                    return ZeroValue(slicing.sliced_shape(form, x.shape), x.dtype)
-                return slicing.take(form, x)
-            raise AssertionError(f"value {v} is held as {have}, needed as {form}")
-
-        def write(v, form, x):
-            if not isinstance(v, C.DropVar):
-                env[v] = (form, x)
-
-        for eqn, mode in zip(jaxpr.eqns, modes):
-            kind = mode[0]
-            if kind == "dead":
-                continue
-            if kind == "zero":
-                write(eqn.outvars[0], None, _zero_like_out(eqn)[0])
-            elif kind == "grad_select":
-                sel, out_demand = mode[1], mode[2]
-                part = read(eqn.invars[0], sel)
-                if not isinstance(part, ZeroValue):  # keep the gradient findable
-                    part = tags.grad_tag_p.bind(part, **eqn.params)
-                if out_demand == sel:
-                    write(eqn.outvars[0], sel, part)
-                elif isinstance(part, ZeroValue):
-                    write(eqn.outvars[0], None, ZeroValue(tuple(eqn.outvars[0].aval.shape), part.dtype))
-                else:
-                    write(eqn.outvars[0], None, slicing.pad(sel, part, eqn.outvars[0].aval.shape))
-            elif kind == "forward_update":
-                write(eqn.outvars[0], demand_of_update(eqn), read(eqn.invars[1], None))
-            elif kind == "identity":
-                form = mode[1] if mode[1] != "dead" else None
-                value = read(eqn.invars[0], form)
-                if not isinstance(value, ZeroValue):
-                    value = tags.grad_tag_p.bind(value, **eqn.params)
-                write(eqn.outvars[0], form, value)
-            elif kind == "scan_first":
-                forms, params, out_forms = mode[1], mode[2], mode[3]
-                invals = [_materialize(read(v, f)) for v, f in zip(eqn.invars, forms)]
-                if _interp.contains(params["jaxpr"], _is_tag):
-                    params = dict(params, jaxpr=_interp.retrace(params["jaxpr"], nested))
-                outs = _interp.bind_eqn(eqn, invals, params)
-                for v, f, x in zip(eqn.outvars, out_forms, outs):
-                    if f != "dead":
-                        write(v, f, x)
-            elif kind == "sliced":
-                forms, params, sel = mode[1], mode[2], mode[3]
-                invals = [read(v, f) for v, f in zip(eqn.invars, forms)]
-                zrule = ZERO_RULES.get(eqn.primitive)
-                outs = zrule(eqn, invals) if zrule and any(isinstance(x, ZeroValue) for x in invals) else None
-                if outs is not None and isinstance(outs[0], ZeroValue):
-                    outs = [ZeroValue(slicing.sliced_shape(sel, outs[0].shape), outs[0].dtype)]
-                if outs is None and eqn.primitive in _FORWARD_TAGS:
-                    outs = [invals[0]]
-                if outs is None:
-                    outs = _interp.bind_eqn(eqn, [_materialize(x) for x in invals], params)
-                write(eqn.outvars[0], sel, outs[0])
-            else:
-                invals = [read(v, None) for v in eqn.invars]
-                outs = None
-                if any(isinstance(x, ZeroValue) for x in invals):
-                    zrule = ZERO_RULES.get(eqn.primitive)
-                    outs = zrule(eqn, invals) if zrule else None
-                    if outs is None:
-                        invals = [_materialize(x) for x in invals]
-                if outs is None and eqn.primitive in _FORWARD_TAGS:
-                    outs = [invals[0]]
-                if outs is None:
-                    outs = nested(eqn, invals)
-                if outs is None:
-                    outs = _interp.bind_eqn(eqn, invals)
-                for v, x in zip(eqn.outvars, outs):
-                    write(v, None, x)
+        _evaluate(jaxpr.eqns, modes, env, req, nested)
 
         results = []
         for v, plan in zip(outvars, out_plan):
             if plan[0] == "keep" and plan[1] in dropped_inputs:
                 continue  # sparse optimizer state of a frozen parameter: not an output
             if plan[0] == "keep":
-                results.append(read(invars[plan[1]], None))
+                results.append(_read(env, invars[plan[1]], None))
             elif plan[0] == "select":
                 sel = plan[2]
-                old = read(invars[plan[1]], None)
-                results.append(slicing.put(sel, old, _materialize(read(v, sel))))
+                old = _read(env, invars[plan[1]], None)
+                results.append(slicing.put(sel, old, _materialize(_read(env, v, sel))))
             elif plan[0] == "part":
-                results.append(_materialize(read(v, plan[1])))
+                results.append(_materialize(_read(env, v, plan[1])))
             else:
-                results.append(_materialize(read(v, None)))
+                results.append(_materialize(_read(env, v, None)))
         return results
 
     in_structs = []
