@@ -38,32 +38,33 @@ def _block(tree):
     jax.block_until_ready([x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)])
 
 
+def _timed(advance, carry, steps: int) -> float:
+    """Seconds per call of ``carry, outs = advance(carry)`` after one warm-up call."""
+    carry, outs = advance(carry)
+    _block(outs)
+    t = time.perf_counter()
+    for _ in range(steps):
+        carry, outs = advance(carry)
+    _block(outs)
+    return (time.perf_counter() - t) / steps
+
+
 def _runner(program, compiled):
     """A function running ``steps`` steps from fresh state; returns seconds per step."""
     from flax import nnx
 
     def run(steps: int) -> float:
-        state = program.init()
-        batch = program.batches[0]
+        state, batch = program.init(), program.batches[0]
         if program.kind == "nnx":
             model, optimizer = state
-            compiled(model, optimizer, *batch)  # warm
-            _block(nnx.state(model))
-            t = time.perf_counter()
-            for _ in range(steps):
-                aux = compiled(model, optimizer, *batch)
-            _block((aux, nnx.state(model)))
-            return (time.perf_counter() - t) / steps
+            return _timed(lambda _: (None, (compiled(model, optimizer, *batch), nnx.state(model))), None, steps)
         n = program.n_state
-        out = compiled(*state, *batch)
-        state = out[:n]
-        _block(out)
-        t = time.perf_counter()
-        for _ in range(steps):
+
+        def advance(state):
             out = compiled(*state, *batch)
-            state = out[:n]
-        _block(out)
-        return (time.perf_counter() - t) / steps
+            return out[:n], out
+
+        return _timed(advance, state, steps)
 
     return run
 
@@ -73,28 +74,21 @@ def _executable_runner(program, compiled):
     from flax import nnx
 
     def run(steps: int) -> float:
-        state = program.init()
-        batch = program.batches[0]
+        state, batch = program.init(), program.batches[0]
         if program.kind == "nnx":
             model, optimizer = state
             step = compiled._nnx_compiled(model, optimizer, *batch)[0]
             flat = jax.tree.leaves(nnx.state((model, optimizer))) + jax.tree.leaves(batch)
-            n_state = len(flat) - len(jax.tree.leaves(batch))
         else:
             step = compiled.lower(*state, *batch)
             flat = jax.tree.leaves((*state, *batch))
-            n_state = len(jax.tree.leaves(state))
-        def once(flat):
+        n_state = len(flat) - len(jax.tree.leaves(batch))
+
+        def advance(flat):
             outs = step.call_flat(flat)
             return list(outs[:n_state]) + flat[n_state:], outs
 
-        flat, outs = once(flat)
-        _block(outs)
-        t = time.perf_counter()
-        for _ in range(steps):
-            flat, outs = once(flat)
-        _block(outs)
-        return (time.perf_counter() - t) / steps
+        return _timed(advance, flat, steps)
 
     return run
 

@@ -241,8 +241,12 @@ class UpdateScheme:
         ``(pattern, rule)`` pairs. The first matching pattern wins.
       default: the rule for paths no pattern matches (``"frozen"`` unless said).
       name: an optional label shown by :meth:`describe`.
-      strict: a pattern that matches no parameter is an error (default). The
-        built-in families (``norm_only``...) relax it for optional patterns.
+      strict: ``True`` (default): every pattern must match at least one
+        parameter, else :class:`~pockjax.UnmatchedPatternError` lists the
+        closest paths. ``False``: patterns may match nothing (a scheme meant
+        for several model families, like :meth:`norm_only`, whose
+        ``*norm*.bias`` pattern finds nothing in LLaMA), as long as at least
+        one pattern matches something. Scheme files keep the setting.
 
     Example:
         >>> import numpy as np, pockjax
@@ -416,6 +420,7 @@ class UpdateScheme:
             "name": self.name,
             "default": enc(self.default),
             "rules": [[p, enc(r)] for p, r in self.rules],
+            **({} if self.strict else {"strict": False}),
         }
 
     @classmethod
@@ -440,7 +445,11 @@ class UpdateScheme:
 
         if not isinstance(data, Mapping) or "rules" not in data:
             raise SchemeError("a scheme file holds an object with 'rules' (and optional 'default', 'name')")
-        return cls([(p, dec(r)) for p, r in data["rules"]], default=dec(data.get("default", "frozen")), name=data.get("name"))
+        strict = data.get("strict", True)
+        if not isinstance(strict, bool):
+            raise SchemeError(f"a scheme file's 'strict' must be true or false, got {strict!r}")
+        return cls([(p, dec(r)) for p, r in data["rules"]], default=dec(data.get("default", "frozen")),
+                   name=data.get("name"), strict=strict)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, UpdateScheme) and (self.rules, self.default) == (other.rules, other.default)

@@ -91,6 +91,18 @@ def paths_of(tree, prefix=""):
     return [prefix + p for p in pockjax.leaf_paths(tree)]
 
 
+def functional_step(loss_fn, tx, grad_hook):
+    """The plain-JAX step: ``value_and_grad`` of ``loss_fn(params, x, y)``, the hook, then ``tx``."""
+
+    def train_step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        grads = grad_hook(grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return train_step
+
+
 def xent(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
@@ -311,13 +323,7 @@ def scanned_stack(remat: bool) -> Program:
             pred = h @ params["head"]["kernel"]
             return jnp.mean((pred - y) ** 2) + 1e-3 * sq.sum()
 
-        def train_step(params, opt_state, x, y):
-            loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-            grads = grad_hook(grads)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        return train_step
+        return functional_step(loss_fn, tx, grad_hook)
 
     p, _ = init()
     return Program(
@@ -355,13 +361,7 @@ def cond_model() -> Program:
             return jax.lax.cond(jnp.mean(pred) > 10.0, lambda: jnp.mean(jnp.abs(pred - y)),
                                 lambda: jnp.mean((pred - y) ** 2))
 
-        def train_step(params, opt_state, x, y):
-            loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-            grads = grad_hook(grads)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        return train_step
+        return functional_step(loss_fn, tx, grad_hook)
 
     p, _ = init()
     return Program("lax_cond", "functional", make_step, init,
@@ -422,13 +422,7 @@ def custom_vjp_model() -> Program:
             pred = custom_dense(h, params["dense2"]["kernel"], params["dense2"]["bias"])
             return jnp.mean((pred - y) ** 2)
 
-        def train_step(params, opt_state, x, y):
-            loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-            grads = grad_hook(grads)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        return train_step
+        return functional_step(loss_fn, tx, grad_hook)
 
     p, _ = init()
     return Program("custom_vjp", "functional", make_step, init, regression_batches(din, dout, seed=8), paths_of(p))

@@ -285,6 +285,7 @@ def test_last_two_of_eight_scanned_layers_prune_the_frozen_iterations(remat):
     np.testing.assert_allclose(out[2], ref[2], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_paper_scheme_on_stacked_llama_blocks_prunes_like_unrolled():
     from pockjax.models import llama
     from pockjax.train.schemes import llama_scheme

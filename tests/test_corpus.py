@@ -27,7 +27,7 @@ from flax import nnx
 
 import pockjax
 from corpus_programs import FACTORIES, STEPS
-from pockjax.scheme import Frozen, Full
+from test_sparse_semantics import entry_mask
 
 N_SCHEMES = 3
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -71,19 +71,6 @@ def flat_state(prog, state):
     """Dotted paths and leaves of the state arguments (for NNX: of the model and optimizer state)."""
     tree = nnx.state(tuple(state)) if prog.kind == "nnx" else tuple(state)
     return pockjax.leaf_paths(tree), jax.tree.leaves(tree)
-
-
-def entry_mask(rule, shape):
-    """1 where an entry is trained, 0 where it is frozen."""
-    if isinstance(rule, Full):
-        return np.ones(shape, np.float32)
-    if isinstance(rule, Frozen):
-        return np.zeros(shape, np.float32)
-    mask = np.zeros(shape, np.float32)
-    index = [slice(None)] * len(shape)
-    index[rule.axis] = list(rule.indices)
-    mask[tuple(index)] = 1.0
-    return mask
 
 
 def param_shapes(prog, state):
@@ -250,6 +237,7 @@ def check_program(prog, scheme):
             assert not np.array_equal(x, init), f"{prog.name}: {p} never changed over {STEPS} steps"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(FACTORIES))
 def test_program_matches_reference(name):
     prog = program(name)
@@ -295,6 +283,7 @@ def test_scheme_naming_only_model_state_raises(name, rules):
 
 # -- IREE -----------------------------------------------------------------------------------
 @pytest.mark.iree
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["linen_cnn_bn_dropout", "nnx_cnn_bn_dropout", "scan_remat_stack"])
 def test_iree_cpu_matches_xla(name, tmp_path):
     """Dropout keys, BatchNorm statistics and a scanned stack through IREE's cpu target.
