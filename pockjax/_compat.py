@@ -220,7 +220,7 @@ def check_tagging_works() -> None:
     if _tagging_verified:
         return
     from pockjax import tags
-    from pockjax._src.jaxpr import sub_jaxprs
+    from pockjax._src.jaxpr import contains
     from pockjax.errors import PockjaxError
 
     def probe(x):
@@ -228,17 +228,9 @@ def check_tagging_works() -> None:
             return jax.grad(lambda y: (y * y).sum())(x)
 
     jaxpr = jax.make_jaxpr(probe)(jax.ShapeDtypeStruct((2,), "float32")).jaxpr
+    has_grad_tag = contains(jaxpr, lambda eqn: eqn.primitive is tags.grad_tag_p)
 
-    def has_grad_tag(j):
-        for eqn in j.eqns:
-            if eqn.primitive is tags.grad_tag_p:
-                return True
-            for s in sub_jaxprs(eqn, strict=False):
-                if has_grad_tag(getattr(s, "jaxpr", s)):
-                    return True
-        return False
-
-    if not has_grad_tag(jaxpr):
+    if not has_grad_tag:
         raise PockjaxError(
             f"pockjax's gradient tagging does not work with JAX {jax.__version__}: jax.grad no longer "
             "goes through jax._src.interpreters.ad.linearize, so pockjax cannot find which gradient "

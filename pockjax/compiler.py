@@ -320,11 +320,10 @@ def _signature(flat):
         dt = getattr(x, "dtype", None)
         if dt is None:
             dt = jax.dtypes.result_type(x)
-        elif not jax.dtypes.issubdtype(dt, jax.dtypes.extended):  # typed PRNG keys stay as they are
+        elif not C.is_key_dtype(dt):  # typed PRNG keys stay as they are
             dt = jax.dtypes.canonicalize_dtype(dt)
         shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
-        out.append((shape, np.dtype(dt) if not jax.dtypes.issubdtype(dt, jax.dtypes.extended) else dt,
-                    bool(getattr(x, "weak_type", False))))
+        out.append((shape, dt if C.is_key_dtype(dt) else np.dtype(dt), bool(getattr(x, "weak_type", False))))
     return tuple(out)
 
 
@@ -432,18 +431,12 @@ class CompiledFunction:
         if hit is not None:
             return hit
         n_state_args = 1 if is_train_state(args[0]) else 2
-        trace_args, sparse_state = self._full_state_args(args, name)
+        trace_args, sparse_states = self._full_state_args(args, name)
         traced = trace_step(self.step, trace_args, n_state_args=n_state_args)
-        passes = self.passes or default_passes(self.scheme, sparse_state)
+        passes = self.passes or default_passes(self.scheme, bool(sparse_states))
         graph = strip_tags(passes(traced))
-        if sparse_state:
-            is_sparse = lambda x: isinstance(x, SparseOptState)  # noqa: E731
-            expected = [
-                tuple(np.shape(x))
-                for node in jax.tree.leaves(args[:n_state_args], is_leaf=is_sparse)
-                if is_sparse(node)
-                for x in node.leaves
-            ]
+        if sparse_states:
+            expected = [tuple(np.shape(x)) for state in sparse_states for x in state.leaves]
             got = [tuple(graph.in_avals[i].shape) for i, r in enumerate(graph.in_roles) if r == OPT_STATE]
             if expected != got:
                 raise StepSignatureError(
@@ -466,12 +459,13 @@ class CompiledFunction:
         """``args`` with every :class:`SparseOptState` replaced by its full abstract form.
 
         The step is traced against the full optimizer state; ``sparse_grad``
-        then drops the frozen parameters' state. Returns ``(args, sparse)``.
+        then drops the frozen parameters' state. Returns ``(args, the sparse
+        states found, in leaf order)``.
         """
         is_sparse = lambda x: isinstance(x, SparseOptState)  # noqa: E731
         found = [x for x in jax.tree.leaves(args, is_leaf=is_sparse) if is_sparse(x)]
         if not found:
-            return args, False
+            return args, []
         if self.scheme is None:
             raise StepSignatureError(f"{name}: a SparseOptState needs the step to be compiled with a scheme")
         for state in found:
@@ -481,7 +475,7 @@ class CompiledFunction:
                     "make it with pockjax.init_opt_state(tx, params, scheme) using the same scheme"
                 )
         full = jax.tree.map(lambda x: x.full_abstract() if is_sparse(x) else x, args, is_leaf=is_sparse)
-        return full, True
+        return full, found
 
     def _finish(self, traced, graph, in_tree, build) -> CompiledStep:
         invars = graph.jaxpr.invars

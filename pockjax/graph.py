@@ -123,7 +123,7 @@ def optstate_param_map(opt_paths: Sequence[str], opt_shapes, param_paths, param_
 def leaf_dtype(x):
     """A leaf's dtype, typed PRNG key dtypes (``key<fry>``) included."""
     dt = getattr(x, "dtype", None)
-    if dt is not None and jax.dtypes.issubdtype(dt, jax.dtypes.extended):
+    if C.is_key_dtype(dt):
         return dt
     return jax.dtypes.result_type(x)
 
