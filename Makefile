@@ -30,8 +30,9 @@ finetune: setup
 quickstart: setup
 	$(PY) examples/quickstart.py
 
+# Two workers, one test file each at a time (module fixtures are built once).
 test: setup system-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-fast: setup
 	$(PY) -m pytest -q -x -m "not slow"

@@ -3,7 +3,7 @@
 #   vulkan: Mesa's lavapipe software Vulkan driver (mesa-vulkan-drivers) + vulkaninfo
 #   arm64:  qemu-aarch64 user-mode emulator and the arm64 C/C++ runtime libraries that the
 #           aarch64 iree-run-module (from the iree-base-runtime aarch64 wheel) links against.
-# The aarch64 wheel itself is fetched by pockjax.backends.arm64_runner.ensure_aarch64_runtime()
+# The aarch64 wheel itself is fetched by pockjax.backends.iree.arm64.ensure_aarch64_runtime()
 # (pip download of iree-base-runtime, cached under ~/.cache/pockjax).
 set -euo pipefail
 SUDO=""

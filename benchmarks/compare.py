@@ -2,7 +2,7 @@
 
     python benchmarks/compare.py --quality-steps 60 --out benchmarks/results/compare
 
-is ``pockjax bench`` (see ``pockjax bench --help`` and :mod:`pockjax.bench`).
+is ``pockjax bench`` (see ``pockjax bench --help`` and :mod:`benchmarks.harness`).
 """
 
 import sys

@@ -28,7 +28,6 @@ import sys
 import time
 
 import jax
-import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
@@ -80,7 +79,7 @@ def _executable_runner(program, compiled):
             step = compiled._nnx_compiled(model, optimizer, *batch)[0]
             flat = jax.tree.leaves(nnx.state((model, optimizer))) + jax.tree.leaves(batch)
         else:
-            step = compiled.lower(*state, *batch)
+            step = compiled.lower(*state, *batch).compile()
             flat = jax.tree.leaves((*state, *batch))
         n_state = len(flat) - len(jax.tree.leaves(batch))
 

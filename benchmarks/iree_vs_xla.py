@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: benchmarks.harness
+
 
 def build(model_name: str, scan_layers: bool):
     from flax import nnx
@@ -67,10 +69,13 @@ def interleaved_times(runs: dict, batch, steps: int) -> dict[str, list[float]]:
 
 
 def write_atomic(path: str, text: str) -> None:
-    # main() has made the directory (and refused an unwritable path) before compiling
-    with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(path)), delete=False) as f:
-        f.write(text)
-    os.replace(f.name, path)
+    """Writes ``text`` atomically and durably (:func:`pockjax.io.atomic.write_text`).
+
+    main() has made the directory (and refused an unwritable path) before compiling.
+    """
+    from pockjax.io.atomic import write_text
+
+    write_text(path, text)
 
 
 def markdown(rows: list[dict], target: str) -> str:
@@ -122,8 +127,13 @@ def _one_process_per_scheme(args, schemes: list[str], argv: list[str]) -> int:
             if subprocess.run(cmd).returncode != 0:
                 print(f"scheme {name!r} failed (see above)", file=sys.stderr)
                 return 1
-            with open(out) as f:
-                rows += json.load(f)
+            from pockjax.errors import FileFormatError
+            from pockjax.io.jsonfile import read_json
+
+            got = read_json(out, what="rows of one scheme")
+            if not isinstance(got, list):
+                raise FileFormatError(f"{out}: expected a JSON list of rows")
+            rows += got
     return write_results(args, rows)
 
 
@@ -163,9 +173,10 @@ def main(argv=None) -> int:
     import optax
 
     import pockjax
-    from pockjax.bench.common import BenchConfig, default_seq, make_data
+    from benchmarks.harness.common import BenchConfig, default_seq, make_data
     from pockjax.models import llama
-    from pockjax.train.schemes import DEFAULT_BLOCKS, llama_scheme
+    from pockjax.schemes import paper_blocks
+    from pockjax.train.schemes import llama_scheme
     from pockjax.train.steps import ANSWER_STEP_XLA_OPTIONS, answer_train_step, lm_train_step
 
     options = {}
@@ -189,7 +200,7 @@ def main(argv=None) -> int:
         window = seq
         train_step = lm_train_step(graphdef, tx)
         xla_options = None
-    blocks = args.blocks or min(DEFAULT_BLOCKS, model.config.n_layers)
+    blocks = paper_blocks(model.config.n_layers, args.blocks)  # as pockjax finetune
     rows = []
     for name in schemes:
         scheme = llama_scheme(name, model.config, blocks=blocks)
@@ -206,7 +217,7 @@ def main(argv=None) -> int:
             p = jax.tree.map(jnp.copy, params)
             s = pockjax.init_opt_state(tx, p, scheme)
             t0 = time.perf_counter()
-            compiled = step.lower(p, s, *batch)
+            compiled = step.lower(p, s, *batch).compile()
             result[f"{backend}_compile_s"] = time.perf_counter() - t0
             if backend != "xla":
                 module = compiled.executable.exe.compiled

@@ -1,10 +1,11 @@
 """Peak RSS of SmolLM2-135M fine-tuning: pockjax (each memory pass) vs PyTorch.
 
-Every configuration runs in its own fresh process (:func:`pockjax.memory.peak_rss`),
+Every configuration runs in its own fresh process (``_memory_rss.peak_rss``),
 one after the other, in the same run:
 
 * pockjax, Flax LLaMA + AdamW (fp32), full fine-tuning and the sparse ``paper``
-  scheme (attention q/k/v/o + mlp.w1 of the last 8 of 30 blocks), each with the
+  scheme of :mod:`pockjax.schemes`, the one ``pockjax finetune`` trains (attention
+  q/k/v/o + mlp.w1/w3 of the last 10 of 30 blocks), each with the
   default passes, ``+ inplace_update`` and ``+ inplace_update + reorder_for_memory``.
   The step is compiled from abstract shapes first, then the pretrained weights are
   loaded and ``--steps`` steps run.
@@ -30,7 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import memory_rss_workers as W  # noqa: E402
 
-from pockjax.memory import format_bytes, peak_rss  # noqa: E402
+from _memory_rss import peak_rss  # noqa: E402
+
+from pockjax.memory import format_bytes  # noqa: E402
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "memory.md")
 BEGIN, END = "<!-- rss-vs-torch:begin -->", "<!-- rss-vs-torch:end -->"
@@ -122,7 +125,8 @@ def main(argv=None) -> int:
     print(table)
     print(f"\n({time.perf_counter() - t_start:.0f} s)")
     if a.write_docs:
-        text = open(DOC).read()
+        with open(DOC, encoding="utf-8") as f:
+            text = f.read()
         block = (f"{BEGIN}\nSmolLM2-135M (pretrained GGUF), AdamW fp32, batch {a.batch}, seq {a.seq}, "
                  f"{a.steps} steps, `python benchmarks/memory_rss_vs_torch.py --batch {a.batch} --seq {a.seq} "
                  f"--steps {a.steps}`:\n\n{table}\n{END}")
@@ -130,8 +134,9 @@ def main(argv=None) -> int:
             text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda m: block, text, flags=re.S)
         else:
             text += "\n" + block + "\n"
-        with open(DOC, "w") as f:
-            f.write(text)
+        from pockjax.io.atomic import write_text
+
+        write_text(DOC, text)
         print(f"wrote the table into {DOC}")
     return 0
 

@@ -1,14 +1,18 @@
 """Training processes measured by ``memory_rss_vs_torch.py`` (importable: run in fresh
-interpreters by :func:`pockjax.memory.peak_rss`)."""
+interpreters by ``_memory_rss.peak_rss``)."""
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
-from pockjax.bench.common import proc_peak_rss as _hwm
-from pockjax.bench.common import proc_rss as _rss
-from pockjax.bench.common import reset_peak_rss as _reset_hwm
-from pockjax.bench.common import trim_heap as _trim
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: benchmarks.harness
+
+from benchmarks.harness.common import proc_peak_rss as _hwm  # noqa: E402
+from benchmarks.harness.common import proc_rss as _rss  # noqa: E402
+from benchmarks.harness.common import reset_peak_rss as _reset_hwm  # noqa: E402
+from benchmarks.harness.common import trim_heap as _trim  # noqa: E402
 
 
 def jax_baseline() -> int:
@@ -34,12 +38,14 @@ def pockjax_train(scheme: str = "full", pipeline: str = "default", batch: int = 
     ``pipeline``: ``default`` (sparse_grad + dce), ``inplace`` (+ inplace_update),
     ``memory`` (+ inplace_update + reorder_for_memory(remat_budget)).
     """
+    import dataclasses
+
     import jax
     import numpy as np
+    from _memory_workloads import llama_workload
 
     import pockjax
     from pockjax.memory import memory_report
-    from pockjax.memory.workloads import llama_workload
     from pockjax.models import llama
     from pockjax.optim.state import SparseOptState
     from pockjax.transforms.inplace_update import inplace_update
@@ -54,7 +60,7 @@ def pockjax_train(scheme: str = "full", pipeline: str = "default", batch: int = 
     if pipeline == "memory":
         passes = pockjax.chain(passes, reorder_for_memory(remat_budget or None))
     f = pockjax.compile(w.step, scheme=w.scheme, passes=passes)
-    cs = f.lower(*w.args)
+    cs = f.lower(*w.args).compile()
     rep = memory_report(cs)
     t1 = time.perf_counter()
 
@@ -80,8 +86,9 @@ def pockjax_train(scheme: str = "full", pipeline: str = "default", batch: int = 
         "planner": rep.after.peak_bytes,
         "xla": rep.xla,
         "hlo": rep.hlo,
-        "passes": list(cs.graph.meta.get("passes", [])),
-        "meta": {k: v for k, v in cs.graph.meta.items() if k in ("inplace_update", "reorder_for_memory")},
+        "passes": list(cs.graph.pass_names),
+        "meta": {r.name: dataclasses.asdict(r) for r in cs.graph.history
+                 if r.name in ("inplace_update", "reorder_for_memory")},
         "compile_s": t1 - t0,
         "load_s": t2 - t1,
         "step_s": (t3 - t2) / steps,

@@ -126,7 +126,7 @@ def main(steps: int = 60, batch: int = 16) -> int:
         p = jax.tree.map(jnp.copy, params)
         s = pockjax.init_opt_state(tx, p, scheme)
         tokens = task_batch(jax.random.fold_in(key, 10_000), model, batch, 3)
-        compiled = step.lower(p, s, tokens)
+        compiled = step.lower(p, s, tokens).compile()
         t0 = time.perf_counter()
         for i in range(steps):
             p, s, loss = step(p, s, task_batch(jax.random.fold_in(key, 10_000 + i), model, batch, 3))

@@ -104,17 +104,6 @@ def is_combiner_primitive(name: str) -> bool:
     return name.startswith(COMBINER_PRIMITIVE_PREFIXES)
 
 
-def subjaxprs_of(eqn: JaxprEqn) -> list[tuple[str, object]]:
-    """Return ``(param_name, jaxpr_or_list)`` for every nested jaxpr of ``eqn``.
-
-    Kept for older imports: see :func:`pockjax._src.jaxpr.subjaxprs` (this is
-    its lenient form, which never raises).
-    """
-    from pockjax._src.jaxpr import subjaxprs
-
-    return subjaxprs(eqn, strict=False)
-
-
 primitive_jvps = ad.primitive_jvps
 instantiate_zeros = ad.instantiate_zeros
 
@@ -204,40 +193,6 @@ def key_data_aval(aval):
     """The aval of ``jax.random.key_data`` of keys with ``aval``."""
     out = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(aval.shape, aval.dtype))
     return ShapedArray(out.shape, out.dtype)
-
-
-_tagging_verified = False
-
-
-def check_tagging_works() -> None:
-    """Check once per process that ``jax.grad`` still goes through the tagging hook.
-
-    If a JAX release routes autodiff around ``ad.linearize``, no gradient tag
-    would be emitted, no parameter would look differentiated, and a sparse
-    step would silently prune nothing: fail here instead, loudly.
-    """
-    global _tagging_verified
-    if _tagging_verified:
-        return
-    from pockjax import tags
-    from pockjax._src.jaxpr import contains
-    from pockjax.errors import PockjaxError
-
-    def probe(x):
-        with tagging_params([x], tags.tag_param):
-            return jax.grad(lambda y: (y * y).sum())(x)
-
-    jaxpr = jax.make_jaxpr(probe)(jax.ShapeDtypeStruct((2,), "float32")).jaxpr
-    has_grad_tag = contains(jaxpr, lambda eqn: eqn.primitive is tags.grad_tag_p)
-
-    if not has_grad_tag:
-        raise PockjaxError(
-            f"pockjax's gradient tagging does not work with JAX {jax.__version__}: jax.grad no longer "
-            "goes through jax._src.interpreters.ad.linearize, so pockjax cannot find which gradient "
-            "belongs to which parameter and would prune nothing. Install a JAX in the verified range "
-            f"{VERIFIED_JAX} (see pyproject.toml), or report this JAX version."
-        )
-    _tagging_verified = True
 
 
 def cpu_backend_started() -> bool:

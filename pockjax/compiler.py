@@ -13,7 +13,12 @@ with a new input signature (tree structure, shapes, dtypes) it traces the
 step into a :class:`~pockjax.graph.TrainGraph`, runs the passes
 (``sparse_grad(scheme)``, ``dce`` and ``fold_dot_transpose`` by default), strips pockjax's tags and
 compiles the result with the backend; later calls with that signature reuse
-the :class:`CompiledStep`.
+the :class:`CompiledStep`. The two stages are also reachable one by one, as
+with ``jax.jit``: ``step.lower(*args)`` is the :class:`Lowered` step (the
+rewritten graph, its jaxpr and prune summary, nothing compiled) and
+``step.lower(*args).compile()`` the :class:`CompiledStep`. The backends are
+:mod:`pockjax.backends.xla` (in process) and :mod:`pockjax.backends.iree`
+(``target=...``).
 
 Flax NNX steps ``step(model, optimizer, *batch) -> aux`` are supported too:
 the model and optimizer are updated in place, as with ``nnx.jit``.
@@ -30,51 +35,60 @@ import numpy as np
 
 from pockjax import _compat as C
 from pockjax.analysis import PruneSummary, summarize
+from pockjax.backends.xla import SignatureChanged, XlaExecutable
 from pockjax.errors import BackendError, StepSignatureError
 from pockjax.graph import MODEL_STATE, OPT_STATE, PARAM, TrainGraph, is_train_state, step_name, trace_step
 from pockjax.optim.state import SparseOptState
 from pockjax.paths import keypath_to_parts
 from pockjax.scheme import UpdateScheme
+from pockjax.transforms.base import Pass, chain
 from pockjax.transforms.dce import dce
 from pockjax.transforms.fold_dot_transpose import fold_dot_transpose
-from pockjax.transforms.sparse_grad import sparse_grad
+from pockjax.transforms.sparse_grad import SparseGradRecord, sparse_grad
 from pockjax.transforms.strip_tags import strip_tags
-
-Pass = Callable[[TrainGraph], TrainGraph]
-
-
-def chain(*passes: Pass) -> Pass:
-    """Compose passes left to right, like ``optax.chain``.
-
-    Example:
-        >>> import pockjax
-        >>> pipeline = pockjax.chain(pockjax.sparse_grad(pockjax.UpdateScheme.full()), pockjax.dce)
-        >>> pipeline.__name__
-        'chain(sparse_grad, dce)'
-    """
-
-    def apply(graph: TrainGraph) -> TrainGraph:
-        for p in passes:
-            graph = p(graph)
-        return graph
-
-    apply.__name__ = "chain(" + ", ".join(getattr(p, "__name__", repr(p)) for p in passes) + ")"
-    apply.passes = passes
-    return apply
 
 
 def default_passes(scheme: UpdateScheme | None, sparse_opt_state: bool = False, *,
                    allow_nothing_trained: bool = False) -> Pass:
-    """``sparse_grad(scheme)``, ``dce``, then ``fold_dot_transpose`` (no ``sparse_grad`` without a scheme)."""
+    """``sparse_grad(scheme)``, ``dce()``, then ``fold_dot_transpose()`` (no ``sparse_grad`` without a scheme).
+
+    Example:
+        >>> import pockjax
+        >>> pockjax.default_passes(pockjax.UpdateScheme.full()).name
+        'chain(sparse_grad, dce, fold_dot_transpose)'
+    """
     if scheme is None:
-        return chain(dce, fold_dot_transpose)
+        return chain(dce(), fold_dot_transpose())
     grads = sparse_grad(scheme, sparse_opt_state=sparse_opt_state, allow_nothing_trained=allow_nothing_trained)
-    return chain(grads, dce, fold_dot_transpose)
+    return chain(grads, dce(), fold_dot_transpose())
 
 
 # -- the compiled step ----------------------------------------------------------
+class _RewrittenGraph:
+    """The views of a rewritten step that :class:`Lowered` and :class:`CompiledStep` share.
+
+    Needs the attributes ``traced`` and ``graph`` (:class:`TrainGraph`) and
+    ``_summary`` (the cached :class:`PruneSummary`, or None).
+    """
+
+    traced: TrainGraph
+    graph: TrainGraph
+    _summary: PruneSummary | None
+
+    @property
+    def jaxpr(self) -> C.ClosedJaxpr:
+        """The transformed closed jaxpr."""
+        return self.graph.closed_jaxpr
+
+    def summary(self) -> PruneSummary:
+        """Equations and FLOPs of the traced full step versus the rewritten one."""
+        if self._summary is None:
+            self._summary = summarize(chain(strip_tags(), dce())(self.traced), self.graph)
+        return self._summary
+
+
 @dataclasses.dataclass
-class CompiledStep:
+class CompiledStep(_RewrittenGraph):
     """One train step, traced, transformed and compiled for one input signature.
 
     Attributes:
@@ -93,17 +107,6 @@ class CompiledStep:
     passthrough: tuple  # per graph output: input index it forwards, or None
     _summary: PruneSummary | None = None
 
-    @property
-    def jaxpr(self) -> C.ClosedJaxpr:
-        """The transformed closed jaxpr."""
-        return self.graph.closed_jaxpr
-
-    def summary(self) -> PruneSummary:
-        """Equations and FLOPs of the traced full step versus the compiled one."""
-        if self._summary is None:
-            self._summary = summarize(dce(strip_tags(self.traced)), self.graph)
-        return self._summary
-
     def _xla(self):
         if not isinstance(self.executable, XlaExecutable):
             raise BackendError(f"{self.backend!r} steps have no XLA analysis; compile without target= for it")
@@ -117,9 +120,10 @@ class CompiledStep:
         shapes, dtypes, scheme, target, versions) and, with weights, a
         parameter archive. Load it with ``pockjax.runtime.load(path)``.
         """
-        if not isinstance(self.executable, IreeStepExecutable):
+        if getattr(self.executable, "name", None) != "iree":
             raise BackendError("only IREE-compiled steps export: compile with target='cpu' (or arm64, vulkan, ...)")
-        scheme = self.graph.meta.get("scheme")
+        sparse = self.graph.record(SparseGradRecord)
+        scheme = sparse.scheme if sparse is not None else None
         extra = {
             "in_tree": str(self.in_tree),
             "scheme": scheme.to_dict() if scheme is not None else None,
@@ -160,139 +164,36 @@ class CompiledStep:
         return self.out_builder(self.call_flat(flat))
 
 
-class IreeStepExecutable:
-    """An IREE backend: the transformed step exported to StableHLO, compiled AOT.
+@dataclasses.dataclass
+class Lowered(_RewrittenGraph):
+    """One train step traced and rewritten for one input signature, not compiled yet.
 
-    Parameters, optimizer state and model state stay on the IREE device
-    between calls: outputs come back as device buffers that the next call
-    takes without a transfer; only the batch goes in and the aux outputs
-    (the loss) come back to the host.
+    What :meth:`CompiledFunction.lower` returns, as ``jax.jit(f).lower(*args)``
+    does: inspect the rewritten graph (:attr:`jaxpr`, :meth:`summary`) without
+    compiling, and :meth:`compile` it for the backend. Lowering and compiling
+    are cached per input signature: ``step.lower(*args).compile()`` returns
+    the :class:`CompiledStep` that ``step(*args)`` runs.
+
+    Attributes:
+      traced: the graph as traced (full step, with tags).
+      graph: the graph after the passes (what the backend compiles).
+      in_tree: the pytree structure of the arguments.
     """
 
-    name = "iree"
+    traced: TrainGraph
+    graph: TrainGraph
+    in_tree: Any
+    out_builder: Callable
+    _backend_compile: Callable[["Lowered"], CompiledStep] = dataclasses.field(repr=False)
+    _compiled: CompiledStep | None = dataclasses.field(default=None, repr=False)
+    _summary: PruneSummary | None = dataclasses.field(default=None, repr=False)
 
-    def __init__(self, graph: TrainGraph, computed_outputs: Sequence[int], target: str, options: dict | None):
-        from pockjax.backends import iree as piree
-
-        closed = graph.closed_jaxpr
-        fun_all = C.jaxpr_as_fun(closed)
-        computed = list(computed_outputs)
-        # Typed PRNG keys cross the module boundary as their key data (uint32):
-        # StableHLO and the runtime know no key types.
-        self.key_inputs = {i: a.dtype for i, a in enumerate(graph.in_avals) if C.is_key_dtype(a.dtype)}
-        out_avals = graph.out_avals
-        self.key_outputs = {k: out_avals[o].dtype for k, o in enumerate(computed) if C.is_key_dtype(out_avals[o].dtype)}
-        in_avals = [C.key_data_aval(a) if i in self.key_inputs else a for i, a in enumerate(graph.in_avals)]
-
-        def fun(*args):
-            args = [C.wrap_key_data(x, self.key_inputs[i]) if i in self.key_inputs else x for i, x in enumerate(args)]
-            outs = fun_all(*args)
-            return [jax.random.key_data(outs[o]) if k in self.key_outputs else outs[o] for k, o in enumerate(computed)]
-
-        state_roles = (PARAM, OPT_STATE, MODEL_STATE)
-        state_mask = [role in state_roles for role in graph.in_roles]
-        state_outputs = {
-            k: graph.out_to_in[o] for k, o in enumerate(computed) if graph.out_to_in[o] is not None
-        }
-        self.target = target
-        self.exe = piree.compile_flat(
-            fun,
-            in_avals,
-            target,
-            options,
-            state_mask=state_mask,
-            state_outputs=state_outputs,
-            input_names=list(graph.in_paths),
-            output_names=[graph.out_paths[o] for o in computed],
-            extra={"in_roles": list(graph.in_roles), "passes": list(graph.meta.get("passes", []))},
-            emulate=(target == "arm64"),
-        )
-        if not callable(self.exe):
-            raise BackendError(
-                f"target {target!r} compiled, but this machine cannot run it; "
-                "use CompiledStep.export(path) and pockjax.runtime on the device"
-            )
-
-    def __call__(self, *flat_args):
-        if self.key_inputs:
-            flat_args = [
-                jax.random.key_data(x) if i in self.key_inputs and C.is_key_dtype(getattr(x, "dtype", None)) else x
-                for i, x in enumerate(flat_args)
-            ]
-        outs = self.exe(*flat_args)
-        if self.key_outputs:
-            outs = [
-                C.wrap_key_data(np.asarray(x), self.key_outputs[k]) if k in self.key_outputs else x
-                for k, x in enumerate(outs)
-            ]
-        return outs
-
-
-def xla_compile_options(platform: str, xla_options: dict | None = None) -> dict:
-    """The XLA compiler options that apply to a step compiled on ``platform``.
-
-    ``xla_cpu_*`` options are dropped off the CPU platform (so one options dict
-    serves CPU and GPU runs), and so are options whose value is ``None``.
-
-    Example:
-      >>> opts = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_gpu_autotune_level": None}
-      >>> xla_compile_options("cpu", opts)
-      {'xla_cpu_experimental_ynn_fusion_type': ''}
-      >>> xla_compile_options("gpu", opts)
-      {}
-    """
-    return {
-        key: value
-        for key, value in (xla_options or {}).items()
-        if value is not None and (platform == "cpu" or not key.startswith("xla_cpu_"))
-    }
-
-
-class SignatureChanged(Exception):
-    """Raised while jax.jit retraces an XLA step for arguments of another signature."""
-
-
-class XlaExecutable:
-    """The XLA backend: ``jax.jit`` of the transformed jaxpr, state donated."""
-
-    name = "xla"
-
-    def __init__(self, graph: TrainGraph, computed_outputs: Sequence[int], donate: Sequence[int],
-                 xla_options: dict | None = None):
-        closed = graph.closed_jaxpr
-        inner = closed.jaxpr.replace(outvars=[closed.jaxpr.outvars[o] for o in computed_outputs])
-        C.check_jaxpr(inner)
-        run = C.jaxpr_as_fun(C.ClosedJaxpr(inner, closed.consts))
-        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in graph.in_avals]
-        expected = [(tuple(a.shape), a.dtype) for a in avals]
-
-        def fun(*args):
-            # traced once per signature: the graph is valid for this one only
-            # (a weak type changes nothing in an already typed jaxpr)
-            got = [(tuple(x.aval.shape), x.aval.dtype) for x in args]
-            if got != expected:
-                raise SignatureChanged()
-            return run(*args)
-
-        self.options = xla_compile_options(jax.default_backend(), xla_options)
-        # Calls go through jax.jit's C++ dispatch (the same per-call cost as the
-        # user's own jax.jit); the ahead-of-time compile below fills its
-        # compilation cache and serves cost and memory analysis.
-        self.jitted = jax.jit(fun, donate_argnums=tuple(donate), compiler_options=self.options or None)
-        lowered = self.jitted.lower(*avals)
-        try:
-            self.compiled = lowered.compile()
-        except Exception as e:  # pragma: no cover - XLA failure reporting
-            bad = [k for k in self.options if k in str(e)]
-            if bad:
-                raise BackendError(
-                    f"XLA rejected compiler option(s) {bad}: {e}. Drop them with"
-                    f" pockjax.compile(..., xla_options={{{bad[0]!r}: None}})"
-                ) from e
-            raise BackendError(f"XLA failed to compile the transformed step: {e}") from e
-
-    def __call__(self, *flat_args):
-        return self.jitted(*flat_args)
+    def compile(self) -> CompiledStep:
+        """The :class:`CompiledStep` for this signature (compiled on the first call)."""
+        if self._compiled is None:
+            self._compiled = self._backend_compile(self)
+            self._compiled._summary = self._summary
+        return self._compiled
 
 
 # -- the decorator ----------------------------------------------------------------
@@ -370,11 +271,15 @@ class CompiledFunction:
         self._hot: dict = {}
 
     # -- public helpers ---------------------------------------------------------
-    def lower(self, *args) -> CompiledStep:
-        """The :class:`CompiledStep` for these arguments (compiling it if new)."""
+    def lower(self, *args) -> Lowered:
+        """The step traced and rewritten for these arguments: a :class:`Lowered`.
+
+        ``lower(*args).compile()`` is the :class:`CompiledStep` that a call
+        with these arguments runs; both are cached per input signature.
+        """
         if args and _is_nnx_module(args[0]):
-            return self._nnx_compiled(*args)[0]
-        return self._functional_compiled(args)
+            return self._nnx_lowered(*args)[0]
+        return self._functional_lowered(args)
 
     def jaxpr(self, *args) -> C.ClosedJaxpr:
         """The transformed jaxpr for these arguments."""
@@ -391,8 +296,8 @@ class CompiledFunction:
         optimizer state) become the module's initial weights, so the runtime
         continues training from them.
         """
-        compiled = self.lower(*example_args)
-        if with_weights and isinstance(compiled.executable, IreeStepExecutable):
+        compiled = self.lower(*example_args).compile()
+        if with_weights and getattr(compiled.executable, "name", None) == "iree":
             flat = jax.tree.leaves(example_args)
             exe = compiled.executable.exe
             exe.set_state([np.asarray(flat[i]) for i in exe.metadata.state_inputs])
@@ -419,6 +324,9 @@ class CompiledFunction:
 
     # -- functional steps -------------------------------------------------------
     def _functional_compiled(self, args) -> CompiledStep:
+        return self._functional_lowered(args).compile()
+
+    def _functional_lowered(self, args) -> Lowered:
         name = step_name(self.step)
         if len(args) < 1 or (len(args) < 2 and not is_train_state(args[0])):
             raise StepSignatureError(
@@ -434,7 +342,7 @@ class CompiledFunction:
         trace_args, sparse_states = self._full_state_args(args, name)
         traced = trace_step(self.step, trace_args, n_state_args=n_state_args)
         passes = self.passes or default_passes(self.scheme, bool(sparse_states))
-        graph = strip_tags(passes(traced))
+        graph = strip_tags()(passes(traced))
         if sparse_states:
             expected = [tuple(np.shape(x)) for state in sparse_states for x in state.leaves]
             got = [tuple(graph.in_avals[i].shape) for i, r in enumerate(graph.in_roles) if r == OPT_STATE]
@@ -451,9 +359,9 @@ class CompiledFunction:
         def build(flat_out):
             return jax.tree_util.tree_unflatten(out_def, flat_out)
 
-        compiled = self._finish(traced, graph, tree, build)
-        self._cache[key] = compiled
-        return compiled
+        lowered = Lowered(traced, graph, tree, build, self._finish)
+        self._cache[key] = lowered
+        return lowered
 
     def _full_state_args(self, args, name: str):
         """``args`` with every :class:`SparseOptState` replaced by its full abstract form.
@@ -477,7 +385,9 @@ class CompiledFunction:
         full = jax.tree.map(lambda x: x.full_abstract() if is_sparse(x) else x, args, is_leaf=is_sparse)
         return full, found
 
-    def _finish(self, traced, graph, in_tree, build) -> CompiledStep:
+    def _finish(self, lowered: Lowered) -> CompiledStep:
+        """Compile a lowered step with the backend."""
+        traced, graph = lowered.traced, lowered.graph
         invars = graph.jaxpr.invars
         index = {v: i for i, v in enumerate(invars)}
         passthrough = tuple(
@@ -495,19 +405,25 @@ class CompiledFunction:
         if self.target is None:
             executable = XlaExecutable(graph, computed, donate, self.xla_options)
         else:
+            from pockjax.backends.iree.step import IreeStepExecutable
+
             executable = IreeStepExecutable(graph, computed, self.target, self.target_options)
         return CompiledStep(
             traced=traced,
             graph=graph,
             executable=executable,
             backend=self.backend,
-            in_tree=in_tree,
-            out_builder=build,
+            in_tree=lowered.in_tree,
+            out_builder=lowered.out_builder,
             passthrough=passthrough,
         )
 
     # -- Flax NNX steps -------------------------------------------------------------
     def _nnx_compiled(self, model, optimizer, *batch, split=None):
+        lowered, state_def, graphdef = self._nnx_lowered(model, optimizer, *batch, split=split)
+        return lowered.compile(), state_def, graphdef
+
+    def _nnx_lowered(self, model, optimizer, *batch, split=None):
         from flax import nnx
 
         graphdef, state = nnx.split((model, optimizer)) if split is None else split
@@ -549,7 +465,7 @@ class CompiledFunction:
             n_state_args=1,
         )
         passes = self.passes or default_passes(self.scheme)
-        graph = strip_tags(passes(traced))
+        graph = strip_tags()(passes(traced))
         n_state = len(leaves)
         aux_tree = traced.out_tree.children()[1]
 
@@ -557,9 +473,9 @@ class CompiledFunction:
             return flat_out[:n_state], jax.tree_util.tree_unflatten(aux_tree, flat_out[n_state:])
 
         in_tree = jax.tree_util.tree_structure((list(leaves), *batch))
-        compiled = self._finish(traced, graph, in_tree, build)
-        self._cache[key] = compiled
-        return compiled, state_def, graphdef
+        lowered = Lowered(traced, graph, in_tree, build, self._finish)
+        self._cache[key] = lowered
+        return lowered, state_def, graphdef
 
     def _call_nnx(self, model, optimizer, *batch):
         from flax import nnx
@@ -606,12 +522,12 @@ def compile(
       passes: a pass pipeline to use instead of :func:`default_passes`
         (``sparse_grad(scheme)`` + ``dce`` + ``fold_dot_transpose``).
       target: ``None`` compiles in process with XLA; a name from
-        :mod:`pockjax.backends.targets` (``"cpu"``, ``"arm64"``, ``"vulkan"``,
+        :mod:`pockjax.backends.iree.targets` (``"cpu"``, ``"arm64"``, ``"vulkan"``,
         ``"cuda"``, ``"dsp"``) compiles ahead of time with IREE.
       target_options: IREE target options (``cpu=``, ``arch=``, ``features=``...).
       donate: donate parameters and optimizer state buffers to the step (XLA).
       xla_options: XLA compiler options for the in-process step (see
-        :func:`xla_compile_options`), e.g.
+        :func:`pockjax.backends.xla.xla_compile_options`), e.g.
         :func:`pockjax.train.steps.answer_step_xla_options`.
 
     Example:
@@ -641,7 +557,7 @@ def compile(
 
     def wrap(fn):
         if target is not None:
-            from pockjax.backends import targets as _targets
+            from pockjax.backends.iree import targets as _targets
 
             if target not in _targets.names():
                 raise BackendError(f"unknown target {target!r}; available: {sorted(_targets.names())}")

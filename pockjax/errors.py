@@ -31,3 +31,58 @@ class UnsupportedPrimitiveError(PockjaxError, NotImplementedError):
 
 class BackendError(PockjaxError, RuntimeError):
     """A backend failed to compile or run a step."""
+
+
+class FileFormatError(PockjaxError, ValueError):
+    """A file that pockjax reads is malformed; the message names the file and the fault."""
+
+
+class SchemeFileError(SchemeError, FileFormatError):
+    """A scheme file that is not UTF-8 JSON."""
+
+
+class FileMissingError(PockjaxError, FileNotFoundError):
+    """A file or directory that was asked for does not exist."""
+
+
+class ModelFileError(FileFormatError):
+    """A model file or directory (GGUF, safetensors, tokenizer) is corrupt or unusable."""
+
+
+class GGUFError(ModelFileError):
+    """A GGUF file is truncated, corrupt, or not what was expected."""
+
+
+class CheckpointError(ModelFileError):
+    """A Hugging Face checkpoint directory is missing pieces or is corrupt."""
+
+
+class SafetensorsError(CheckpointError):
+    """A ``.safetensors`` file is truncated or its header is malformed."""
+
+
+class TokenizerFileError(ModelFileError):
+    """A tokenizer (``tokenizer.json``, ``tokenizer_config.json`` or GGUF metadata) is malformed."""
+
+
+class UnsupportedModelError(ModelFileError):
+    """A well-formed model file holds an architecture or tensor type pockjax cannot load."""
+
+
+class UnknownModelError(PockjaxError, KeyError):
+    """A model name that is neither a known pretrained model nor an existing path."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class NonFiniteError(PockjaxError, ArithmeticError):
+    """Training produced a NaN or an infinity (or exploding weights), or weights hold them.
+
+    The message names the step and the first non-finite tensor; nothing
+    non-finite is written.
+    """
+
+
+class DataError(FileFormatError):
+    """A data file is missing, empty, or has a malformed line."""

@@ -12,14 +12,15 @@ can find them wherever autodiff put them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import jax
 import numpy as np
 
 from pockjax import _compat as C
 from pockjax import tags
-from pockjax.errors import StepSignatureError
+from pockjax._src.jaxpr import contains
+from pockjax.errors import PockjaxError, StepSignatureError
 from pockjax.paths import leaf_paths
 
 PARAM = "param"
@@ -27,6 +28,52 @@ OPT_STATE = "opt_state"
 BATCH = "batch"
 MODEL_STATE = "model_state"
 AUX = "aux"
+
+
+@dataclasses.dataclass(frozen=True)
+class PassRecord:
+    """What one pass did to a graph: an entry of :attr:`TrainGraph.history`.
+
+    A pass with nothing to report records this base with its name; a pass that
+    measures or decides something records a subclass with typed fields
+    (:class:`~pockjax.transforms.sparse_grad.SparseGradRecord`,
+    :class:`~pockjax.transforms.inplace_update.InplaceUpdateRecord`...), found
+    again with :meth:`TrainGraph.record`.
+    """
+
+    name: str
+
+
+RecordT = TypeVar("RecordT", bound=PassRecord)
+
+
+_tagging_verified = False
+
+
+def check_tagging_works() -> None:
+    """Check once per process that ``jax.grad`` still goes through the tagging hook.
+
+    If a JAX release routes autodiff around ``ad.linearize``, no gradient tag
+    would be emitted, no parameter would look differentiated, and a sparse
+    step would silently prune nothing: fail here instead, loudly.
+    """
+    global _tagging_verified
+    if _tagging_verified:
+        return
+
+    def probe(x):
+        with C.tagging_params([x], tags.tag_param):
+            return jax.grad(lambda y: (y * y).sum())(x)
+
+    jaxpr = jax.make_jaxpr(probe)(jax.ShapeDtypeStruct((2,), "float32")).jaxpr
+    if not contains(jaxpr, lambda eqn: eqn.primitive is tags.grad_tag_p):
+        raise PockjaxError(
+            f"pockjax's gradient tagging does not work with JAX {jax.__version__}: jax.grad no longer "
+            "goes through jax._src.interpreters.ad.linearize, so pockjax cannot find which gradient "
+            "belongs to which parameter and would prune nothing. Install a JAX in the verified range "
+            f"{C.VERIFIED_JAX} (see pyproject.toml), or report this JAX version."
+        )
+    _tagging_verified = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +90,8 @@ class TrainGraph:
         of (params, optimizer state and model state), else ``None``.
       param_of: per flat input, for optimizer-state leaves that mirror a
         parameter (Adam's ``mu``/``nu``...), the index of that parameter input.
-      meta: free-form facts passes record (the scheme, pass history, ...).
+      step_name: the user's name for the step (``train_step``), for messages.
+      history: what each pass did, in the order they ran (:class:`PassRecord`s).
     """
 
     closed_jaxpr: C.ClosedJaxpr
@@ -55,7 +103,8 @@ class TrainGraph:
     out_paths: tuple[str, ...]
     out_to_in: tuple[int | None, ...]
     param_of: tuple[int | None, ...]
-    meta: dict = dataclasses.field(default_factory=dict)
+    step_name: str = "the step"
+    history: tuple[PassRecord, ...] = ()
 
     @property
     def jaxpr(self) -> C.Jaxpr:
@@ -78,6 +127,30 @@ class TrainGraph:
 
     def with_jaxpr(self, closed_jaxpr: C.ClosedJaxpr, **changes) -> "TrainGraph":
         return dataclasses.replace(self, closed_jaxpr=closed_jaxpr, **changes)
+
+    def recorded(self, record: PassRecord, **changes) -> "TrainGraph":
+        """A copy with ``record`` appended to the history (and some fields changed)."""
+        return dataclasses.replace(self, history=self.history + (record,), **changes)
+
+    def record(self, kind: type[RecordT]) -> RecordT | None:
+        """The latest record of type ``kind`` in the history, or ``None``.
+
+        Example:
+            >>> import jax.numpy as jnp, pockjax
+            >>> from pockjax.transforms.fold_dot_transpose import FoldDotTransposeRecord
+            >>> g = pockjax.trace_step(lambda p, s, x: (p, s, x @ p), (jnp.ones((2, 2)), (), jnp.ones(2)))
+            >>> pockjax.fold_dot_transpose()(g).record(FoldDotTransposeRecord)
+            FoldDotTransposeRecord(name='fold_dot_transpose', folded=0)
+        """
+        for r in reversed(self.history):
+            if isinstance(r, kind):
+                return r
+        return None
+
+    @property
+    def pass_names(self) -> tuple[str, ...]:
+        """The names of the passes that ran on this graph, in order."""
+        return tuple(r.name for r in self.history)
 
     def __str__(self) -> str:
         n_params = len(self.inputs_with_role(PARAM))
@@ -200,8 +273,6 @@ def step_name(step: Callable) -> str:
 
 def gradient_tag_indices(jaxpr) -> set[int]:
     """Indices of the parameters whose gradient carries a ``pockjax_grad_tag`` (any depth)."""
-    from pockjax.transforms import _interp
-
     found: set[int] = set()
 
     def visit(eqn):
@@ -209,7 +280,7 @@ def gradient_tag_indices(jaxpr) -> set[int]:
             found.add(eqn.params["index"])
         return False
 
-    _interp.contains(jaxpr, visit)
+    contains(jaxpr, visit)
     return found
 
 
@@ -278,7 +349,7 @@ def trace_step(
     check_leaves(name, flat_args, in_paths)
     avals = _avals(flat_args)
     param_idx = [i for i, r in enumerate(in_roles) if r == PARAM]
-    C.check_tagging_works()
+    check_tagging_works()
 
     out_store = {}
 
@@ -344,7 +415,7 @@ def trace_step(
         out_paths=tuple(out_paths),
         out_to_in=tuple(out_to_in),
         param_of=tuple(param_of),
-        meta={"step_name": name},
+        step_name=name,
     )
 
 
@@ -370,7 +441,6 @@ def inline_calls(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
     autodiff placed inside one. Nested control flow (``scan``...) is kept.
     """
     from pockjax._src import jaxpr as core
-    from pockjax.transforms import _interp
 
     def has_call(eqn):
         return eqn.primitive in (C.primitives.jit_p, C.primitives.closed_call_p)
@@ -383,10 +453,10 @@ def inline_calls(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
             body = eqn.params[core.CALL_BODY[eqn.primitive]]
             inner = body.jaxpr if hasattr(body, "jaxpr") else body
             consts = list(body.consts) if hasattr(body, "consts") else []
-            return _interp.eval_jaxpr_with(inner, consts, invals, rule)
+            return core.eval_jaxpr_with(inner, consts, invals, rule)
         return None
 
-    return _interp.retrace(closed, rule)
+    return core.retrace(closed, rule)
 
 
 def unwrap_jit(fn: Callable) -> Callable:
@@ -435,4 +505,4 @@ def _check_outputs(out, args, n_state_args: int, step: str = "the step") -> None
                 )
 
 
-__all__ = ["TrainGraph", "trace_step", "PARAM", "OPT_STATE", "BATCH", "MODEL_STATE", "AUX"]
+__all__ = ["TrainGraph", "PassRecord", "trace_step", "PARAM", "OPT_STATE", "BATCH", "MODEL_STATE", "AUX"]

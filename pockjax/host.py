@@ -9,8 +9,8 @@ SmolLM2-135M step) when the step starts and frees them when it ends. With JAX's
 default asynchronous CPU dispatch that happens on a worker thread, whose glibc
 arena serves every block above 32 MiB with a fresh ``mmap`` and returns it with
 ``munmap``: each step faulted its working memory in again, one zero-filled 4 KiB
-page at a time (about 240,000 minor faults and 0.4-0.5 s of kernel time per
-full SmolLM2 step on a 2-core Xeon, docs/benchmarks.md).
+page at a time (hundreds of thousands of minor faults per full SmolLM2 step;
+the measurements are in docs/benchmarks.md).
 
 :func:`keep_step_memory` runs CPU executions on the calling thread
 (``jax_cpu_enable_async_dispatch=False``), whose allocations come from glibc's
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import warnings
 
-from pockjax.runtime.module import RETAIN_HEAP_ENV, heap_off_by_env, retain_freed_heap
+from pockjax.runtime.heap import RETAIN_HEAP_ENV, heap_off_by_env, retain_freed_heap
 
 _state = {"on": False}
 
@@ -33,13 +33,19 @@ def cpuinfo_field(key: str, cpuinfo: str = "/proc/cpuinfo") -> str:
     """The first ``key : value`` of ``cpuinfo`` (Linux), or ``""`` when absent or unreadable.
 
     Example:
+      A file in the format of ``/proc/cpuinfo``, read by this function and by
+      :func:`cpu_vendor` and :func:`cpu_has_avx512`:
+
       >>> import os, tempfile
       >>> with tempfile.TemporaryDirectory() as d:
       ...     path = os.path.join(d, "cpuinfo")
       ...     with open(path, "w") as f:
-      ...         _ = f.write("processor\\t: 0\\nmodel name\\t: Some CPU\\n")
-      ...     print(repr(cpuinfo_field("model name", path)), repr(cpuinfo_field("flags", path)))
+      ...         _ = f.write("processor\\t: 0\\nvendor_id\\t: AuthenticAMD\\n"
+      ...                     "model name\\t: Some CPU\\nflags\\t: fpu avx2 avx512f avx512bw\\n")
+      ...     print(repr(cpuinfo_field("model name", path)), repr(cpuinfo_field("bugs", path)))
+      ...     print(cpu_vendor(path), cpu_has_avx512(path))
       'Some CPU' ''
+      amd True
     """
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as f:
@@ -59,13 +65,9 @@ def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
     any other system, an unreadable file or another maker gives ``""``.
 
     Example:
-      >>> import os, tempfile
-      >>> with tempfile.TemporaryDirectory() as d:
-      ...     path = os.path.join(d, "cpuinfo")
-      ...     with open(path, "w") as f:
-      ...         _ = f.write("processor : 0\\nvendor_id : AuthenticAMD\\n")
-      ...     print(cpu_vendor(path))
-      amd
+      ``vendor_id : AuthenticAMD`` gives ``"amd"`` (:func:`cpuinfo_field`'s
+      example); a missing file gives ``""``:
+
       >>> cpu_vendor("/no/such/file")
       ''
     """
@@ -79,13 +81,11 @@ def cpu_has_avx512(cpuinfo: str = "/proc/cpuinfo") -> bool:
     False when the file is unreadable or has no ``flags`` line (other systems).
 
     Example:
-      >>> import os, tempfile
-      >>> with tempfile.TemporaryDirectory() as d:
-      ...     path = os.path.join(d, "cpuinfo")
-      ...     with open(path, "w") as f:
-      ...         _ = f.write("processor : 0\\nflags : fpu avx2 avx512f avx512bw\\n")
-      ...     print(cpu_has_avx512(path), cpu_has_avx512("/no/such/file"))
-      True False
+      ``flags : ... avx512f ...`` gives True (:func:`cpuinfo_field`'s
+      example); a missing file gives False:
+
+      >>> cpu_has_avx512("/no/such/file")
+      False
     """
     return "avx512f" in cpuinfo_field("flags", cpuinfo).split()
 

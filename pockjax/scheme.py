@@ -233,6 +233,53 @@ def glob_match(pattern: str, path: str) -> bool:
     return _glob_to_regex(pattern).match(path) is not None
 
 
+def _json_kind(x: Any) -> str:
+    """``x`` as a JSON reader would name it, for error messages."""
+    kind = {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            int: "a number", float: "a number", type(None): "null"}.get(type(x))
+    if kind is None:
+        kind = "an object" if isinstance(x, Mapping) else f"a {type(x).__name__}"
+    text = repr(x)
+    return f"{kind} ({text[:60]}{'...' if len(text) > 60 else ''})"
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _decode_rule(rule: Any, where: str) -> Rule:
+    """One rule of a scheme file (see :meth:`UpdateScheme.from_dict`), checked."""
+    if isinstance(rule, str):
+        try:
+            return as_rule(rule)
+        except SchemeError as e:
+            raise type(e)(f"{where}: {e}") from None
+    if not isinstance(rule, Mapping):
+        raise UnknownRuleError(f"{where}: a rule is 'full', 'frozen', 'channels(k, axis=-1)' or an object"
+                               f" {{\"channels\": k, \"axis\": a}} / {{\"indices\": [...], \"axis\": a}},"
+                               f" got {_json_kind(rule)}")
+    keys = set(rule)
+    if keys not in ({"channels"}, {"channels", "axis"}, {"indices"}, {"indices", "axis"}):
+        raise UnknownRuleError(f"{where}: cannot read rule {dict(rule)!r}: expected the keys 'channels'"
+                               f" or 'indices', and optionally 'axis'")
+    axis = rule.get("axis", -1)
+    if not _is_int(axis):
+        raise SchemeError(f"{where}: 'axis' must be an integer, got {_json_kind(axis)}")
+    try:
+        if "indices" in rule:
+            idx = rule["indices"]
+            if not isinstance(idx, list) or not idx or not all(_is_int(i) for i in idx):
+                raise SchemeError(f"'indices' must be a non-empty list of integers, got {_json_kind(idx)}")
+            return channels(indices=idx, axis=int(axis))
+        k = rule["channels"]
+        if isinstance(k, bool) or not isinstance(k, (int, float)) or not k > 0:
+            raise SchemeError(f"'channels' must be a positive count or a fraction in (0, 1],"
+                              f" got {_json_kind(k)}")
+        return channels(k, axis=int(axis))
+    except SchemeError as e:
+        raise type(e)(f"{where}: {e}") from None
+
+
 class UpdateScheme:
     """Which parameters, and which of their channels, a fine-tuning step updates.
 
@@ -425,31 +472,66 @@ class UpdateScheme:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "UpdateScheme":
-        """Inverse of :meth:`to_dict`.
+        """Inverse of :meth:`to_dict`; every field is checked.
+
+        ``data`` is ``{"rules": [[pattern, rule], ...], "default": rule,
+        "name": str, "strict": bool}`` (only ``rules`` is required; ``rules``
+        may also be a ``{pattern: rule}`` object). A rule is ``"full"``,
+        ``"frozen"``, ``"channels(k, axis=a)"``, ``{"channels": k, "axis": a}``
+        or ``{"indices": [i, ...], "axis": a}``.
+
+        Raises:
+          SchemeError: anything else, naming the field that is wrong
+          (``rules[2][0]: a pattern must be a string, got 3``).
 
         Example:
             >>> import pockjax
             >>> s = pockjax.UpdateScheme({"a.*": pockjax.channels(4)}, default="full")
             >>> pockjax.UpdateScheme.from_dict(s.to_dict()) == s
             True
+            >>> pockjax.UpdateScheme.from_dict({"rules": [[3, "full"]]})
+            Traceback (most recent call last):
+            ...
+            pockjax.errors.SchemeError: rules[0][0]: a pattern must be a non-empty string, got a number (3)
         """
-
-        def dec(rule):
-            if isinstance(rule, Mapping):
-                if "indices" in rule:
-                    return channels(indices=rule["indices"], axis=rule.get("axis", -1))
-                if "channels" in rule:
-                    return channels(rule["channels"], axis=rule.get("axis", -1))
-                raise SchemeError(f"cannot read rule {dict(rule)!r}: expected 'channels' or 'indices'")
-            return rule
-
-        if not isinstance(data, Mapping) or "rules" not in data:
-            raise SchemeError("a scheme file holds an object with 'rules' (and optional 'default', 'name')")
+        if not isinstance(data, Mapping):
+            raise SchemeError(f"a scheme is a JSON object with 'rules' (and optional 'default', 'name',"
+                              f" 'strict'), got {_json_kind(data)}")
+        unknown = sorted(set(data) - {"rules", "default", "name", "strict"})
+        if unknown:
+            raise SchemeError(f"unknown field(s) {', '.join(map(repr, unknown))}; a scheme has"
+                              f" 'rules', 'default', 'name' and 'strict'")
+        if "rules" not in data:
+            raise SchemeError("a scheme has no 'rules' (a list of [pattern, rule] pairs)")
+        raw = data["rules"]
+        if isinstance(raw, Mapping):
+            pairs = [(f"rules[{p!r}]", f"rules[{p!r}]", p, r) for p, r in raw.items()]
+        elif isinstance(raw, list):
+            pairs = []
+            for i, item in enumerate(raw):
+                if not isinstance(item, (list, tuple)) or len(item) != 2:
+                    raise SchemeError(f"rules[{i}]: a rule entry is a [pattern, rule] pair, got"
+                                      f" {_json_kind(item)}")
+                pairs.append((f"rules[{i}][0]", f"rules[{i}][1]", item[0], item[1]))
+        else:
+            raise SchemeError(f"'rules' must be a list of [pattern, rule] pairs, got {_json_kind(raw)}")
+        rules = []
+        for at_pattern, at_rule, pattern, rule in pairs:
+            if not isinstance(pattern, str) or not pattern:
+                raise SchemeError(f"{at_pattern}: a pattern must be a non-empty string, got {_json_kind(pattern)}")
+            try:
+                _glob_to_regex(pattern)
+            except re.error as e:
+                raise SchemeError(f"{at_pattern}: pattern {pattern!r} is not a valid glob ({e})") from None
+            rules.append((pattern, _decode_rule(rule, at_rule)))
+        default = _decode_rule(data.get("default", "frozen"), "default")
+        name = data.get("name")
+        if name is not None and not isinstance(name, str):
+            raise SchemeError(f"'name' must be a string, got {_json_kind(name)}")
         strict = data.get("strict", True)
         if not isinstance(strict, bool):
-            raise SchemeError(f"a scheme file's 'strict' must be true or false, got {strict!r}")
-        return cls([(p, dec(r)) for p, r in data["rules"]], default=dec(data.get("default", "frozen")),
-                   name=data.get("name"), strict=strict)
+            raise SchemeError(f"'strict' must be true or false, got {_json_kind(strict)}")
+        return cls(rules, default=default, name=name, strict=strict)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, UpdateScheme) and (self.rules, self.default) == (other.rules, other.default)

@@ -227,11 +227,11 @@ def require_vulkan():
 
 def require_arm64_runner():
     """Fails (not skips) without qemu-aarch64 + arm64 libc + the aarch64 iree-run-module."""
-    from pockjax.backends import arm64_runner
+    from pockjax.backends.iree import arm64
 
     try:
-        return arm64_runner.command_prefix()
-    except arm64_runner.Arm64RunnerUnavailable as e:
+        return arm64.command_prefix()
+    except arm64.Arm64RunnerUnavailable as e:
         pytest.fail(f"arm64 runner unavailable: {e}")
 
 

@@ -6,14 +6,13 @@ weights and batches in every row, same updates where two rows train the same
 tensors, results files complete), not about speed.
 """
 
-import importlib.util
 import json
 import os
 
 import pytest
 
-from pockjax.bench import BenchConfig, ROWS
-from pockjax.bench.runner import markdown_table, run, summarize
+from benchmarks.harness import BenchConfig, ROWS
+from benchmarks.harness.runner import markdown_table, run, summarize
 
 TINY = dict(model="tiny", batch=2, seq=192, warmup=1, steps=2, quality_steps=3, quality_batch=4,
             eval_examples=4)
@@ -32,7 +31,7 @@ def _tiny_forward_matmul_flops(one_piece_attention: bool = False) -> float:
     from flax import nnx
 
     import pockjax
-    from pockjax.bench.common import random_config
+    from benchmarks.harness.common import random_config
     from pockjax.models import llama
 
     config = random_config("tiny")
@@ -108,8 +107,6 @@ def test_plain_jax_frozen_and_pockjax_paper_train_the_same_update(tiny_results):
     assert qa["predictions"] == qb["predictions"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("peft") is None,
-                    reason="the PyTorch rows need the bench extra (torch, transformers, peft)")
 def test_pytorch_rows_match_pockjax(tmp_path):
     # With MKL's vendor check answered "Intel" (a no-op on Intel CPUs), as the
     # rows run with --torch-mkl-any-cpu: the shim is loaded in their processes.
@@ -124,7 +121,7 @@ def test_pytorch_rows_match_pockjax(tmp_path):
     # in one piece (3x the forward pass), but the CPU attention kernel's backward
     # recomputes the scores: 5 attention products instead of 4, so the two counts
     # differ by the cost of one.
-    from pockjax.bench.common import random_config
+    from benchmarks.harness.common import random_config
 
     c = random_config("tiny")
     b, t = TINY["batch"], TINY["seq"]
@@ -168,7 +165,7 @@ def test_goals_and_table_from_results():
 def test_mkl_vendor_shim_answers_intel_and_a_missing_compiler_is_a_clear_error(tmp_path):
     import ctypes
 
-    from pockjax.bench.mkl import VendorShimError, build_vendor_shim, preload_env
+    from benchmarks.harness.mkl import VendorShimError, build_vendor_shim, preload_env
 
     shim = build_vendor_shim(str(tmp_path / "shim"))
     assert ctypes.CDLL(shim).mkl_serv_intel_cpu_true() == 1
@@ -207,8 +204,19 @@ def test_bad_rows_are_refused(tmp_path):
                          "pockjax-paper-iree"}
 
 
+def test_bench_outside_a_source_checkout_says_so_in_one_line(monkeypatch, capsys):
+    """Installed without its checkout, ``pockjax bench`` (whatever its arguments) answers in one line."""
+    import pockjax.cli
+
+    monkeypatch.setattr(pockjax.cli, "_checkout_module", lambda name: None)
+    for argv in (["bench"], ["bench", "--help"], ["bench", "--model", "tiny", "--rows", "jax-full"]):
+        assert pockjax.cli.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "runs from a source checkout of pockjax" in err and "benchmarks/harness/" in err
+
+
 def test_rows_too_short_for_the_task_are_a_clear_error(tmp_path, capsys):
-    from pockjax.bench.common import default_seq
+    from benchmarks.harness.common import default_seq
     from pockjax.cli import main
 
     # the byte-level tiny model needs 165 tokens for the longest example
@@ -220,7 +228,7 @@ def test_rows_too_short_for_the_task_are_a_clear_error(tmp_path, capsys):
 
 
 def test_merge_combines_runs_and_refuses_different_settings(tiny_results, tmp_path):
-    from pockjax.bench.runner import merge
+    from benchmarks.harness.runner import merge
 
     res, out = tiny_results
     merged = merge([str(out / "results.json")], str(tmp_path / "m"))
@@ -241,7 +249,7 @@ def test_merge_combines_runs_and_refuses_different_settings(tiny_results, tmp_pa
 def test_gpu_table_summary_reports_gpu_memory(tmp_path):
     """On ``device="gpu"`` the memory column, the memory goal and the chart use
     each row's peak GPU memory, and the headline names the GPU."""
-    from pockjax.bench.runner import plot_results
+    from benchmarks.harness.runner import plot_results
 
     cfg = BenchConfig(model="llama-1b", device="gpu", batch=4, seq=192)
 
@@ -263,8 +271,8 @@ def test_gpu_table_summary_reports_gpu_memory(tmp_path):
 
 
 def test_gpu_device_is_checked_before_any_row_runs(tmp_path):
-    from pockjax.bench.rows import default_rows
-    from pockjax.bench.runner import probe_gpu
+    from benchmarks.harness.rows import default_rows
+    from benchmarks.harness.runner import probe_gpu
 
     gpu = BenchConfig(**{**TINY, "device": "gpu"})
     with pytest.raises(ValueError, match=r"pockjax-paper-iree.*run on the CPU only"):

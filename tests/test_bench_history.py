@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from pockjax.bench.common import BenchConfig
-from pockjax.bench.history import goal_history, history, history_table, load_runs
-from pockjax.bench.runner import summarize
+from benchmarks.harness.common import BenchConfig
+from benchmarks.harness.history import goal_history, history, history_table, load_runs
+from benchmarks.harness.runner import summarize
 
 RESULTS = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "results")
 

@@ -49,7 +49,7 @@ def test_iree_step_uploads_frozen_weights_once():
     step = pockjax.compile(make_step(MODEL, tx), scheme=SCHEME, target="cpu")
     xla = pockjax.compile(make_step(MODEL, tx), scheme=SCHEME)
     p, s, _ = step(params, tx.init(params), batches[0])
-    exe = step.lower(params, tx.init(params), batches[0]).executable.exe
+    exe = step.lower(params, tx.init(params), batches[0]).compile().executable.exe
     n_batch = len(jax.tree.leaves(batches[0]))
     uploads = []
     put = exe.session.put

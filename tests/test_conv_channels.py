@@ -178,7 +178,7 @@ def _weight_grad_flops(model, rules, layer):
     find it by that layout and by the kernel's window/in-feature extents.
     """
     tx, params, opt_state, batch = _setup(model)
-    compiled = pockjax.compile(make_step(model, tx), scheme=pockjax.UpdateScheme(rules, default="frozen")).lower(
+    lowered = pockjax.compile(make_step(model, tx), scheme=pockjax.UpdateScheme(rules, default="frozen")).lower(
         params, opt_state, batch)
     kshape = params[layer]["kernel"].shape
     rule = rules[f"{layer}.kernel"]
@@ -194,7 +194,7 @@ def _weight_grad_flops(model, rules, layer):
         if all(out[d] == kshape[d] for d in range(len(kshape)) if d != sliced):
             found.append(times * eqn_flops(eqn))
 
-    walk(compiled.graph.jaxpr, visit)
+    walk(lowered.graph.jaxpr, visit)
     total = sum(found)
     assert total > 0, f"no weight-gradient conv found for {layer}"
     return total

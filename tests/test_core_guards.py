@@ -44,7 +44,7 @@ def _mlp_args(tx):
 # -- the tagging guard ------------------------------------------------------------
 def test_tagging_self_test_fails_loudly_when_grad_bypasses_the_hook(monkeypatch):
     monkeypatch.setattr(C.ad, "linearize", C._original_linearize)
-    monkeypatch.setattr(C, "_tagging_verified", False)
+    monkeypatch.setattr("pockjax.graph._tagging_verified", False)
     tx = optax.sgd(0.1)
     step = pockjax.compile(_mlp_step(tx), scheme=pockjax.UpdateScheme({"b": "full"}))
     with pytest.raises(pockjax.PockjaxError, match="gradient tagging does not work"):

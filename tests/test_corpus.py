@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -194,8 +195,8 @@ def schemes_for(prog, shapes):
 
 # -- the check ------------------------------------------------------------------------------
 def assert_same_tree(got, want, what):
-    for i, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
-        np.testing.assert_allclose(snapshot(g), snapshot(w), **TOL, err_msg=f"{what} leaf {i}")
+    chex.assert_trees_all_close(jax.tree.map(snapshot, got), jax.tree.map(snapshot, want), **TOL,
+                                custom_message=what)
 
 
 def check_program(prog, scheme):

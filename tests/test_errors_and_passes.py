@@ -1,5 +1,7 @@
 """Clear errors, pass structure, idempotence, and Flax NNX steps."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,25 +76,25 @@ def test_unsupported_primitive_is_named():
 
     graph = pockjax.trace_step(step, (params, opt_state, batch))
     with pytest.raises(pockjax.UnsupportedPrimitiveError, match="opaque_call"):
-        pockjax.dce(graph)
+        pockjax.dce()(graph)
 
 
 def test_passes_give_valid_jaxprs_and_are_idempotent():
     model, tx, params, opt_state, batch = _setup(Transformer(layers=2), optax.adamw(1e-2))
     scheme = pockjax.UpdateScheme({"layers.1.attn.*.kernel": pockjax.channels(0.5), "layers.1.mlp.w1.kernel": "full"})
     graph = pockjax.trace_step(make_step(model, tx), (params, opt_state, batch))
-    once = pockjax.dce(pockjax.sparse_grad(scheme)(graph))
-    twice = pockjax.dce(pockjax.sparse_grad(scheme)(once))
+    once = pockjax.dce()(pockjax.sparse_grad(scheme)(graph))
+    twice = pockjax.dce()(pockjax.sparse_grad(scheme)(once))
     for g in (once, twice):
         C.check_jaxpr(g.jaxpr)
     assert pockjax.count_primitives(once)["dot_general"] == pockjax.count_primitives(twice)["dot_general"]
     assert pockjax.count_flops(twice) <= pockjax.count_flops(once) * 1.001
-    assert len(pockjax.dce(once).jaxpr.eqns) == len(once.jaxpr.eqns)  # dce is idempotent
-    stripped = pockjax.strip_tags(once)
+    assert len(pockjax.dce()(once).jaxpr.eqns) == len(once.jaxpr.eqns)  # dce is idempotent
+    stripped = pockjax.strip_tags()(once)
     assert not any(k.startswith("pockjax_") for k in pockjax.count_primitives(stripped))
     args = jax.tree.leaves((params, opt_state, batch))
-    a = C.jaxpr_as_fun(pockjax.strip_tags(once).closed_jaxpr)(*args)
-    b = C.jaxpr_as_fun(pockjax.strip_tags(twice).closed_jaxpr)(*args)
+    a = C.jaxpr_as_fun(pockjax.strip_tags()(once).closed_jaxpr)(*args)
+    b = C.jaxpr_as_fun(pockjax.strip_tags()(twice).closed_jaxpr)(*args)
     for x, y in zip(a, b):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
 
@@ -101,10 +103,95 @@ def test_frozen_step_has_no_weight_gradient_for_frozen_layers_inside_scan():
     model, tx, params, opt_state, batch = _setup(Transformer(layers=3, scan=True), optax.sgd(0.1))
     graph = pockjax.trace_step(make_step(model, tx), (params, opt_state, batch))
     full_dots = pockjax.count_primitives(graph)["dot_general"]
-    sparse = pockjax.dce(pockjax.sparse_grad(pockjax.UpdateScheme({"layers.attn.wq.kernel": "full"}))(graph))
+    sparse = pockjax.dce()(pockjax.sparse_grad(pockjax.UpdateScheme({"layers.attn.wq.kernel": "full"}))(graph))
     # inside the backward scan body only the dots wq's gradient needs remain
     assert pockjax.count_primitives(sparse)["dot_general"] < full_dots
     assert pockjax.count_flops(sparse) < 0.8 * pockjax.count_flops(graph)
+
+
+# -- one pass shape -----------------------------------------------------------------
+PASS_FACTORIES = {
+    "sparse_grad": lambda: pockjax.sparse_grad(pockjax.UpdateScheme({"dense1.*": "full"})),
+    "dce": pockjax.dce,
+    "fold_dot_transpose": pockjax.fold_dot_transpose,
+    "inplace_update": pockjax.inplace_update,
+    "reorder_for_memory": pockjax.reorder_for_memory,
+    "strip_tags": pockjax.strip_tags,
+}
+
+
+def _mlp_graph():
+    model, tx, params, opt_state, batch = _setup()
+    return pockjax.trace_step(make_step(model, tx), (params, opt_state, batch)), (params, opt_state, batch)
+
+
+@pytest.mark.parametrize("name", sorted(PASS_FACTORIES))
+def test_every_pass_is_a_named_frozen_pass_that_composes(name):
+    made = PASS_FACTORIES[name]()
+    assert isinstance(made, pockjax.Pass) and made.name == name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.name = "other"
+    graph, args = _mlp_graph()
+    once = pockjax.chain(made, pockjax.dce())(graph)
+    C.check_jaxpr(once.jaxpr)
+    assert once.pass_names == (name, "dce")
+    assert graph.history == ()  # passes are pure: the input graph is untouched
+    # idempotent: a second run changes what the graph computes in no way
+    twice = pockjax.chain(made, pockjax.dce())(once)
+    assert pockjax.count_primitives(twice) == pockjax.count_primitives(once)
+    strip = pockjax.strip_tags()
+    a = C.jaxpr_as_fun(strip(once).closed_jaxpr)(*jax.tree.leaves(args))
+    b = C.jaxpr_as_fun(strip(twice).closed_jaxpr)(*jax.tree.leaves(args))
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_chain_refuses_what_is_not_a_pass_and_names_the_fix():
+    with pytest.raises(TypeError, match=r"call it \(pockjax\.dce\(\)"):
+        pockjax.chain(pockjax.sparse_grad(pockjax.UpdateScheme.full()), pockjax.dce)
+
+    def my_pass(graph):
+        return graph
+
+    with pytest.raises(TypeError, match=r"wrap it: pockjax\.Pass\('my_pass', my_pass\)"):
+        pockjax.chain(pockjax.dce(), my_pass)
+    with pytest.raises(TypeError, match="not a pockjax.Pass"):
+        pockjax.chain("dce")
+    with pytest.raises(TypeError, match="takes an UpdateScheme"):
+        pockjax.sparse_grad({"dense1.*": "full"})
+    graph, _ = _mlp_graph()
+    with pytest.raises(TypeError, match="returned dict, not a TrainGraph"):
+        pockjax.Pass("broken", lambda g: {})(graph)
+    with pytest.raises(TypeError, match="rewrites a pockjax.TrainGraph"):
+        pockjax.dce()(graph.closed_jaxpr)
+
+
+def test_passes_record_typed_facts():
+    graph, _ = _mlp_graph()
+    scheme = pockjax.UpdateScheme({"dense1.*": "full"})
+    out = pockjax.default_passes(scheme)(graph)
+    assert out.pass_names == ("sparse_grad", "dce", "fold_dot_transpose")
+    sparse = out.record(pockjax.transforms.SparseGradRecord)
+    assert sparse.scheme is scheme and not sparse.sparse_opt_state
+    assert dict(sparse.rules) == {"dense0.bias": pockjax.Frozen(), "dense0.kernel": pockjax.Frozen(),
+                                  "dense1.bias": pockjax.Full(), "dense1.kernel": pockjax.Full()}
+    assert dataclasses.asdict(sparse)["sparse_opt_state"] is False
+    assert out.record(pockjax.transforms.FoldDotTransposeRecord).folded >= 1
+    assert out.record(pockjax.transforms.InplaceUpdateRecord) is None
+    assert out.step_name == "make_step.<locals>.step"
+
+
+def test_one_phase_decision_for_every_equation():
+    from pockjax._src.jaxpr import Phase, phase
+
+    graph, _ = _mlp_graph()
+    phases = [phase(e) for e in graph.jaxpr.eqns]
+    assert set(phases) == {Phase.FORWARD, Phase.BACKWARD, Phase.OTHER}
+    grads = [p for e, p in zip(graph.jaxpr.eqns, phases) if e.primitive.name == "pockjax_grad_tag"]
+    assert grads and all(p is Phase.BACKWARD for p in grads)
+    params = [p for e, p in zip(graph.jaxpr.eqns, phases) if e.primitive.name == "pockjax_param_tag"]
+    assert params and all(p is Phase.FORWARD for p in params)
+    assert phases[-1] is Phase.OTHER  # the optimizer update comes last
 
 
 def test_nnx_step_in_place():
@@ -272,11 +359,11 @@ def test_xla_options_reach_the_cpu_compile():
 
     model, tx, params, opt_state, batch = _setup(Transformer())
     step = make_step(model, tx)
-    default = pockjax.compile(step).lower(params, opt_state, batch)
+    default = pockjax.compile(step).lower(params, opt_state, batch).compile()
     assert default.executable.options == {}
     assert "__ynn_fusion" in default.executable.compiled.as_text()
     tuned = pockjax.compile(step, xla_options=XLA_OWN_DOT_KERNELS)
-    low = tuned.lower(params, opt_state, batch)
+    low = tuned.lower(params, opt_state, batch).compile()
     assert low.executable.options == XLA_OWN_DOT_KERNELS
     hlo = low.executable.compiled.as_text()
     assert "dot(" in hlo and "__ynn_fusion" not in hlo

@@ -172,7 +172,7 @@ def test_missing_and_corrupt_model_files(tmp_path, full_run):
     shutil.copytree(full_run[0], trunc)
     st = trunc / "model.safetensors"
     st.write_bytes(st.read_bytes()[:1000])
-    with pytest.raises(GGUFError, match="truncated"):
+    with pytest.raises(llama.CheckpointError, match="truncated"):
         finetune(cfg(model=str(trunc), out=str(tmp_path / "o")))
     assert not (tmp_path / "o").exists()
 

@@ -10,7 +10,8 @@ import pytest
 
 import pockjax
 from pockjax import _compat as C
-from pockjax.transforms.fold_dot_transpose import fold_dot_transpose_jaxpr
+from pockjax._src import jaxpr as J
+from pockjax.transforms.fold_dot_transpose import FoldDotTransposeRecord, fold_dot_transpose_jaxpr
 from toy_models import Transformer, make_step
 
 
@@ -19,7 +20,7 @@ def _transposed_dots(jaxpr) -> int:
     made_by = {v: e for e in jaxpr.eqns for v in e.outvars}
     n = 0
     for e in jaxpr.eqns:
-        for _, sub in C.subjaxprs_of(e):
+        for _, sub in J.subjaxprs(e, strict=False):
             for s in (sub if isinstance(sub, (tuple, list)) else [sub]):
                 n += _transposed_dots(s.jaxpr if isinstance(s, C.ClosedJaxpr) else s)
         p = made_by.get(e.invars[0]) if e.primitive.name == "transpose" else None
@@ -107,15 +108,15 @@ def test_compiled_step_folds_by_default_and_matches_the_unfolded_step():
     scheme = pockjax.UpdateScheme({"layers.1.**": "full"})
     folded = pockjax.compile(step, scheme=scheme)
     plain = pockjax.compile(step, scheme=scheme, 
-                           passes=pockjax.chain(pockjax.sparse_grad(scheme, sparse_opt_state=True), pockjax.dce))
+                           passes=pockjax.chain(pockjax.sparse_grad(scheme, sparse_opt_state=True), pockjax.dce()))
     opt = pockjax.init_opt_state(tx, params, scheme)
-    compiled = folded.lower(params, opt, batches[0])
-    n = compiled.graph.meta["fold_dot_transpose"]
+    lowered = folded.lower(params, opt, batches[0])
+    n = lowered.graph.record(FoldDotTransposeRecord).folded
     assert n >= 7  # the trained block's weight gradients (attention's transposes stay)
-    assert fold_dot_transpose_jaxpr(compiled.jaxpr.jaxpr)[1] == 0
+    assert fold_dot_transpose_jaxpr(lowered.jaxpr.jaxpr)[1] == 0
     unfolded = plain.lower(params, opt, batches[0]).jaxpr.jaxpr
     assert fold_dot_transpose_jaxpr(unfolded)[1] == n
-    assert _transposed_dots(unfolded) - _transposed_dots(compiled.jaxpr.jaxpr) == n
+    assert _transposed_dots(unfolded) - _transposed_dots(lowered.jaxpr.jaxpr) == n
     a = (params, opt)
     b = jax.tree.map(jnp.copy, (params, opt))
     for batch in batches:
@@ -127,7 +128,7 @@ def test_compiled_step_folds_by_default_and_matches_the_unfolded_step():
 
 
 @pytest.mark.parametrize("passes", ["default", "fold"])
-def test_graph_meta_records_the_pass(passes):
+def test_graph_history_records_the_pass(passes):
     def step(params, opt_state, x):
         loss, g = jax.value_and_grad(lambda w: jnp.sum((x @ w) ** 2))(params)
         return params - 0.1 * g, opt_state, loss
@@ -136,6 +137,6 @@ def test_graph_meta_records_the_pass(passes):
     if passes == "default":
         graph = pockjax.default_passes(None)(pockjax.trace_step(step, args))
     else:
-        graph = pockjax.fold_dot_transpose(pockjax.trace_step(step, args))
-    assert graph.meta["passes"][-1] == "fold_dot_transpose"
-    assert graph.meta["fold_dot_transpose"] == 1
+        graph = pockjax.fold_dot_transpose()(pockjax.trace_step(step, args))
+    assert graph.pass_names[-1] == "fold_dot_transpose"
+    assert graph.record(FoldDotTransposeRecord) == FoldDotTransposeRecord(folded=1)

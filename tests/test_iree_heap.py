@@ -18,8 +18,6 @@ import sys
 import pytest
 from _fault_steps import fault_script, run_script
 
-pytest.importorskip("iree.compiler")
-pytest.importorskip("iree.runtime")
 
 pytestmark = pytest.mark.iree
 

@@ -8,7 +8,7 @@ not. With the default ``llvmcpu-no-multi-use-fusion`` workaround the step is a
 few command buffers and the batch-32 step does not grow either.
 ``StatefulModule`` warns once (``MemoryGrowthWarning``) when it sees growth. If
 a future IREE gives the memory back, the first test fails and the note in
-``pockjax/runtime/module.py`` and ``docs/deploying.md`` should go.
+``pockjax/runtime/heap.py`` and ``docs/deploying.md`` should go.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import warnings
 import numpy as np
 import pytest
 
-pytest.importorskip("iree.compiler")
-pytest.importorskip("iree.runtime")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -45,7 +43,8 @@ BARRIERS = ["llvmcpu-no-aggressive-fusion", "scatter-add-to-select", "dot-operan
 def _run(batch_rows: int, steps: int, monkeypatch=None, workarounds=None):
     if workarounds is not None:
         default = piree.default_workarounds
-        monkeypatch.setattr(piree, "default_workarounds",
+        from pockjax.backends.iree import lowering
+        monkeypatch.setattr(lowering, "default_workarounds",
                             lambda t: list(workarounds) if t.backend == "llvm-cpu" else default(t))
     config = dataclasses.replace(
         llama.LlamaConfig.tiny(vocab=259, max_seq_len=256, scan_layers=False),
@@ -58,7 +57,7 @@ def _run(batch_rows: int, steps: int, monkeypatch=None, workarounds=None):
     tokens = jax.random.randint(jax.random.key(0), (batch_rows, 128), 0, config.vocab)
     batch = (tokens, tokens, jnp.ones(tokens.shape, jnp.float32))
     opt_state = pockjax.init_opt_state(tx, params, scheme)
-    exe = step.lower(params, opt_state, *batch).executable.exe
+    exe = step.lower(params, opt_state, *batch).compile().executable.exe
     assert workarounds is None or list(exe.compiled.workarounds) == workarounds
     assert exe.session.driver in runtime.MEMORY_GROWTH_DRIVERS
     exe.growth_warn_bytes = WARN_AT

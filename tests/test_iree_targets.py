@@ -12,12 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("iree.compiler")
-pytest.importorskip("iree.runtime")
 
 import _iree_steps as S  # noqa: E402
 from pockjax.backends import iree as piree  # noqa: E402
-from pockjax.backends import targets  # noqa: E402
+from pockjax.backends.iree import targets  # noqa: E402
 
 pytestmark = pytest.mark.iree
 
@@ -228,7 +226,7 @@ def test_batch1_llama_train_step_runs_with_default_workarounds():
 def test_scatter_add_to_select_is_exact(case):
     import jax
     import jax.numpy as jnp
-    from pockjax.backends import iree_rewrites
+    from pockjax.backends.iree import rewrites
 
     rng = np.random.default_rng(1)
     x3 = rng.normal(size=(3, 5, 7)).astype(np.float32)
@@ -255,7 +253,7 @@ def test_scatter_add_to_select_is_exact(case):
         f = lambda e: jax.grad(lambda e: jnp.sum(e[tok] ** 2))(e)  # noqa: E731
         args = [x3[0]]
     avals = [jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for a in args]
-    g = iree_rewrites.scatter_add_to_select(f, avals)
+    g = rewrites.scatter_add_to_select(f, avals)
     np.testing.assert_allclose(np.asarray(g(*args)), np.asarray(f(*args)), rtol=1e-6, atol=1e-7)
     left = str(jax.make_jaxpr(g)(*args)).count("scatter-add")
     assert left == (1 if case == "embedding_is_kept" else 0)
@@ -323,7 +321,9 @@ def test_cpu_data_tiling_option_and_auto_threshold():
     assert "llvmcpu-no-multi-use-fusion" not in c_small.workarounds
     # The caller's extra flags stay last, so they can override what "auto" adds.
     t = targets.resolve("cpu", extra_flags=["--iree-llvmcpu-enable-ukernels=none"])
-    flags = piree._resolve_auto_data_tiling(t, mm, big).flags
+    from pockjax.backends.iree.lowering import _resolve_auto_data_tiling
+
+    flags = _resolve_auto_data_tiling(t, mm, big).flags
     assert flags[-1] == "--iree-llvmcpu-enable-ukernels=none" and "--iree-opt-data-tiling=true" in flags
     a = np.random.default_rng(0).normal(size=(n, n)).astype(np.float32)
     exe = piree.IreeExecutable(c_big)
@@ -356,7 +356,7 @@ def test_cpu_data_tiling_full_step_needs_no_multi_use_fusion_workaround(monkeypa
     batch = (tokens, tokens, jnp.ones((2, 16), jnp.float32))
 
     def compiled(target):
-        passes = pockjax.chain(pockjax.sparse_grad(scheme, sparse_opt_state=True), pockjax.dce)
+        passes = pockjax.chain(pockjax.sparse_grad(scheme, sparse_opt_state=True), pockjax.dce())
         # An AVX2 CPU, whatever the host: the failure is about AVX2's vector sizes (an
         # AVX-512 host compiles the same step without the workaround).
         step = pockjax.compile(lm_train_step(graphdef, tx), scheme=scheme, target=target, passes=passes,
@@ -368,9 +368,9 @@ def test_cpu_data_tiling_full_step_needs_no_multi_use_fusion_workaround(monkeypa
         m.delitem(piree.WORKAROUNDS, "llvmcpu-no-multi-use-fusion")
         step, p, s = compiled("cpu")
         with pytest.raises(piree.IreeCompileError, match="large vector sizes"):
-            step.lower(p, s, *batch)
+            step.lower(p, s, *batch).compile()
     runs = [compiled("cpu"), compiled(None)]
-    compiled_module = runs[0][0].lower(runs[0][1], runs[0][2], *batch).executable.exe.compiled
+    compiled_module = runs[0][0].lower(runs[0][1], runs[0][2], *batch).compile().executable.exe.compiled
     assert "llvmcpu-no-multi-use-fusion" in compiled_module.workarounds
     for _ in range(3):
         losses = []
@@ -385,7 +385,7 @@ def test_cpu_data_tiling_full_step_needs_no_multi_use_fusion_workaround(monkeypa
 def test_dot_operands_behind_barrier_is_exact():
     import jax
     import jax.numpy as jnp
-    from pockjax.backends import iree_rewrites
+    from pockjax.backends.iree import rewrites
 
     def f(x, w):
         return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) @ w.T))(w)
@@ -393,7 +393,7 @@ def test_dot_operands_behind_barrier_is_exact():
     rng = np.random.default_rng(2)
     args = [rng.normal(size=(4, 6)).astype(np.float32), rng.normal(size=(6, 6)).astype(np.float32)]
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
-    g = iree_rewrites.dot_operands_behind_barrier(f, avals)
+    g = rewrites.dot_operands_behind_barrier(f, avals)
     np.testing.assert_array_equal(np.asarray(g(*args)), np.asarray(f(*args)))
     text = str(jax.make_jaxpr(g)(*args))
     assert text.count("dot_general") == str(jax.make_jaxpr(f)(*args)).count("dot_general") > 0
@@ -405,12 +405,12 @@ def test_dot_barrier_fences_computed_operands_only():
     can hoist the packing of a frozen weight held in an immutable global."""
     import jax
     import jax.numpy as jnp
-    from pockjax.backends import iree_rewrites
+    from pockjax.backends.iree import rewrites
 
     avals = [jax.ShapeDtypeStruct((8, 300), jnp.float32), jax.ShapeDtypeStruct((16, 300), jnp.float32)]
 
     def barriers(f):
-        return str(jax.make_jaxpr(iree_rewrites.dot_operands_behind_barrier(f, avals))(*avals)).count(
+        return str(jax.make_jaxpr(rewrites.dot_operands_behind_barrier(f, avals))(*avals)).count(
             "optimization_barrier")
 
     assert barriers(lambda x, w: x @ w.T) == 0
@@ -427,7 +427,7 @@ def test_cpu_data_tiling_short_weight_gradient_needs_no_multi_use_fusion(monkeyp
     the short matmul's result; the values match XLA's."""
     import jax
     import jax.numpy as jnp
-    from pockjax.backends import iree_rewrites
+    from pockjax.backends.iree import rewrites
 
     def step(w, m, x, g):
         m = 0.9 * m + 0.1 * (x.T @ g)
@@ -439,7 +439,7 @@ def test_cpu_data_tiling_short_weight_gradient_needs_no_multi_use_fusion(monkeyp
         piree.compile_flat(step, avals, "cpu", {"data_tiling": True}, bind=False,
                            workarounds=["llvmcpu-no-aggressive-fusion"])
     with monkeypatch.context() as m:
-        m.setattr(iree_rewrites, "SHORT_CONTRACTION", 0)
+        m.setattr(rewrites, "SHORT_CONTRACTION", 0)
         with pytest.raises(piree.IreeCompileError, match="exceeded stack allocation limit"):
             piree.compile_flat(step, avals, "cpu", {"data_tiling": True}, bind=False,
                                workarounds=["llvmcpu-no-aggressive-fusion", "dot-operands-behind-barrier"])

@@ -278,9 +278,10 @@ def test_smollm2_generate_text_answers(smollm2):
 
 def test_smollm2_matches_transformers_live(smollm2_logits, reference):
     """Live rerun of the fixture comparison (needs torch, transformers, accelerate)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers needs it to load GGUF files
+    import accelerate  # noqa: F401  (transformers needs it to load GGUF files)
+    import torch
+    import transformers
+
     path = llama.pretrained_path("smollm2-135m")
     hf = transformers.LlamaForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()

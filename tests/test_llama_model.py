@@ -368,8 +368,9 @@ def test_hf_checkpoint_errors(tmp_path):
 
 def test_hf_checkpoint_matches_transformers_live(tmp_path):
     """Live: a tiny untied GQA model saved by pockjax, run by transformers."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
+
     m = _model(rope_theta=1000.0)
     llama.save_hf_checkpoint(m, tmp_path)
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()

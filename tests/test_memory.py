@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -18,13 +17,8 @@ from jax import lax
 from pockjax import memory
 from pockjax.memory import CATEGORIES, analyze, aval_bytes, plan
 from pockjax.memory import liveness as L
-from pockjax.memory.llama_shapes import (
-    LlamaShape,
-    abstract_train_args,
-    make_train_step,
-    paper_trainable,
-    plan_llama_peaks,
-)
+from pockjax.memory.llama_plan import abstract_llama_step, plan_llama
+from pockjax.models.llama import LlamaConfig
 
 F32 = jnp.float32
 N = 256  # elements; one f32[N] buffer is 1 KiB
@@ -179,10 +173,17 @@ def test_fusion_extends_the_reads_of_a_fused_producer():
     assert fused.peak_bytes == 6 * aval_bytes(cj.jaxpr.invars[0].aval)
 
 
+def small_llama(**kw):
+    """A small Flax LLaMA config (the planner's model, pockjax.models.llama)."""
+    return LlamaConfig(**{**dict(vocab=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=2, hidden_dim=64,
+                                 max_seq_len=128), **kw})
+
+
 def test_greedy_order_is_topological():
-    cfg = LlamaShape(vocab=64, dim=32, n_layers=2, n_heads=2, hidden=64)
-    args, roles = abstract_train_args(cfg, optax.adamw(1e-3), seq=8)
-    cj = jax.make_jaxpr(make_train_step(cfg, optax.adamw(1e-3)))(*args)
+    from _transformer_program import transformer_step
+
+    step, args = transformer_step(batch=1, seq=8)
+    cj = jax.make_jaxpr(step)(*args)  # a plain-JAX program: no nested jit for the internals below
     fl = L._Flattener(True, "xla")
     env = {}
     ins = []
@@ -286,9 +287,8 @@ def test_remat_custom_jvp_custom_vjp_are_inlined():
 
 
 def test_nested_peak_inside_grad_of_scan():
-    cfg = LlamaShape(vocab=64, dim=32, n_layers=3, n_heads=2, hidden=64, scan_layers=True)
-    args, roles = abstract_train_args(cfg, optax.sgd(0.1), seq=16)
-    p = plan(make_train_step(cfg, optax.sgd(0.1)), args, roles=roles)
+    w = abstract_llama_step(small_llama(n_layers=3, scan_layers=True), None, seq=16, optimizer=optax.sgd(0.1))
+    p = plan(w.step, w.args)
     assert p.report.peak_breakdown["saved_activation"] > 0  # stacked residuals of the scan
 
 
@@ -347,9 +347,8 @@ def test_split_index_and_grad_vars_hints():
 
 
 def test_train_graph_with_tags():
-    pockjax = pytest.importorskip("pockjax")
-    if not hasattr(pockjax, "trace_step"):
-        pytest.skip("pockjax.trace_step not available")
+    import pockjax
+
     step, args = _mlp_step()
     g = pockjax.trace_step(step, args)
     names = {e.primitive.name for e in g.closed_jaxpr.jaxpr.eqns}
@@ -379,30 +378,39 @@ def test_bad_arguments():
 
 
 def test_plan_small_llama_full_and_sparse():
-    cfg = LlamaShape(vocab=128, dim=64, n_layers=2, n_heads=4, hidden=128)
-    opt = optax.adamw(1e-3)
-    full_args, full_roles = abstract_train_args(cfg, opt, seq=32)
-    sp_args, sp_roles = abstract_train_args(cfg, opt, seq=32, trainable=paper_trainable)
-    full = plan(make_train_step(cfg, opt), full_args, roles=full_roles, donate_argnums=(0, 1), budget_gb=1)
-    sparse = plan(
-        make_train_step(cfg, opt, paper_trainable), sp_args, roles=sp_roles, donate_argnums=(0, 2), budget_gb=1
-    )
-    assert full.fits and sparse.fits
-    assert sparse.peak_bytes < full.peak_bytes
-    assert sparse.report.peak_breakdown["optimizer_state"] < full.report.peak_breakdown["optimizer_state"]
-    assert not plan(make_train_step(cfg, opt), full_args, budget_bytes=1000).fits
+    cfg = small_llama(vocab=128, dim=64, n_heads=4, n_kv_heads=4, hidden_dim=128)
+    full = plan_llama(cfg, "full", seq=32)
+    sparse = plan_llama(cfg, "paper", seq=32, blocks=1)
+    assert sparse.trainable < full.trainable == full.total
+    assert sparse.program.peak_bytes < full.program.peak_bytes
+    assert full.inplace.peak_bytes <= full.program.peak_bytes  # each update right after its gradient
+    assert sparse.program.peak_breakdown["optimizer_state"] < full.program.peak_breakdown["optimizer_state"]
+    assert full.inplace.fits(2**30) and not full.inplace.fits(1000)
+    w = abstract_llama_step(cfg, None, seq=32)
+    assert plan(w.step, w.args, donate_argnums=(0, 1), budget_gb=1).fits
 
 
+@pytest.mark.slow
 def test_plan_7b_without_allocating():
-    """LLaMA-2-7B shapes (full and sparse), in a fresh process: fast, and small RSS."""
-    r = memory.peak_rss(plan_llama_peaks, kwargs={"n_layers": 32, "seq": 512}, timeout=240)
-    weights = LlamaShape.llama2_7b().n_params * 2
-    full, sparse = r.result["full"], r.result["sparse"]
-    # full AdamW: weights + two moments + all gradients, at least
-    assert full >= 4 * weights
+    """``pockjax plan`` on LLaMA-2-7B (full and paper), in a fresh process: fast, small RSS,
+    and the scheme is the one ``pockjax finetune`` trains."""
+    import subprocess
+
+    code = ("import resource, sys; from pockjax.cli import main; rc = main(['plan', '--scheme', 'both']);"
+            " print('maxrss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "[full]" in out and "[paper (last 11 blocks)]" in out
+    assert "trainable: 6,738,415,616 of 6,738,415,616" in out
+    assert "trainable: 1,730,150,400 of 6,738,415,616" in out  # wq/wk/wv/wo/w1/w3 of blocks 21-31
+    peaks = [float(line.split("(")[1].split(" GB")[0]) for line in out.splitlines() if "with inplace_update:" in line]
+    full, sparse = peaks
+    weights = LlamaConfig.llama2_7b().num_params() * 2
+    assert full * 1e9 >= 3 * weights  # weights + two Adam moments, at least
     assert sparse < full
-    assert r.peak_bytes < 2 * 2**30, "planning must not allocate the 12.5 GiB of weights"
-    assert r.seconds < 120
+    rss = int(out.split("maxrss_kib")[1].split()[0]) * 1024
+    assert rss < 2 * 2**30, "planning must not allocate the 12.5 GiB of weights"
 
 
 @pytest.mark.parametrize(
@@ -412,17 +420,20 @@ def test_plan_7b_without_allocating():
 def test_planner_close_to_xla(model):
     if model == "mlp":
         step, args = _mlp_step(width=256, depth=4, batch=256)
-        roles, donate = ("param", "opt_state", "batch"), (0, 1)
-    else:
-        cfg = LlamaShape(vocab=512, dim=128, n_layers=2, n_heads=4, hidden=344)
-        trainable = paper_trainable if model == "transformer_sparse" else None
-        args, roles = abstract_train_args(cfg, optax.adamw(1e-3), batch=2, seq=128, trainable=trainable)
-        step = make_train_step(cfg, optax.adamw(1e-3), trainable)
-        donate = (0, 1) if trainable is None else (0, 2)
-    c = memory.compare_with_xla(step, args, roles=roles, donate_argnums=donate)
-    assert {"argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes"} <= set(c.xla)
-    assert c.xla["alias_size_in_bytes"] > 0
-    assert 0.85 <= c.ratio <= 1.15, c.table()
+        c = memory.compare_with_xla(step, args, roles=("param", "opt_state", "batch"), donate_argnums=(0, 1))
+        assert {"argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                "alias_size_in_bytes"} <= set(c.xla)
+        assert c.xla["alias_size_in_bytes"] > 0
+        assert 0.85 <= c.ratio <= 1.15, c.table()
+        return
+    import pockjax
+
+    cfg = small_llama(vocab=512, dim=128, n_heads=4, n_kv_heads=4, hidden_dim=344)
+    w = abstract_llama_step(cfg, "paper" if model == "transformer_sparse" else "full", batch=2, seq=128,
+                            blocks=1, optimizer=optax.adamw(1e-3))
+    r = memory.memory_report(pockjax.compile(w.step, scheme=w.scheme).lower(*w.args).compile())
+    assert r.xla["alias_size_in_bytes"] > 0
+    assert 0.85 <= r.ratio <= 1.15, r.table()
 
 
 def test_xla_memory_fields():
@@ -450,7 +461,6 @@ def test_flat_roles_prefix():
 
 
 def test_plot_png_and_svg(tmp_path):
-    pytest.importorskip("matplotlib")
     step, args = _mlp_step()
     before = plan(step, args).report
     after = plan(step, args, donate_argnums=(0, 1)).report
@@ -464,14 +474,28 @@ def test_plot_png_and_svg(tmp_path):
     assert single == [str(tmp_path / "one.svg")]
 
 
+def _benchmark_module(name):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_peak_rss_of_callable_and_command():
-    r = memory.peak_rss(bytearray, (96 * 2**20,))
+    """The benchmarks' RSS tool (benchmarks/_memory_rss.py)."""
+    rss = _benchmark_module("_memory_rss")
+    r = rss.peak_rss(bytearray, (96 * 2**20,))
     assert len(r.result) == 96 * 2**20
     assert r.delta_bytes >= 90 * 2**20
-    c = memory.peak_rss_of_command([sys.executable, "-c", "import sys; b = bytearray(48 * 2**20); sys.exit(3)"])
+    c = rss.peak_rss_of_command([sys.executable, "-c", "import sys; b = bytearray(48 * 2**20); sys.exit(3)"])
     assert c.returncode == 3 and c.peak_bytes >= 48 * 2**20
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
-        memory.peak_rss(divmod, (1, 0))
+        rss.peak_rss(divmod, (1, 0))
 
 
 # ----------------------------------------------------------------------------------------
@@ -489,11 +513,11 @@ def _reordered(closed, order):
 
 def test_greedy_schedule_valid_same_values_never_worse():
     step, args = _mlp_step(width=32, depth=3, batch=8)
-    pockjax = pytest.importorskip("pockjax")
+    import pockjax
+
     concrete = jax.tree.map(lambda a: jnp.full(a.shape, 0.1, a.dtype), args)
     graphs = [jax.make_jaxpr(step)(*args)]
-    if hasattr(pockjax, "trace_step"):
-        graphs.append(pockjax.trace_step(step, args).closed_jaxpr)  # with tag equations
+    graphs.append(pockjax.trace_step(step, args).closed_jaxpr)  # with tag equations
     for closed in graphs:
         n_in = len(closed.jaxpr.invars)
         order, before, after = memory.greedy_schedule(closed, donate=[True] * n_in)

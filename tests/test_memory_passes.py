@@ -3,6 +3,7 @@ the ``pockjax memory`` / ``pockjax plan`` commands."""
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,9 +13,8 @@ import pytest
 import pockjax
 from pockjax.memory import analyze, memory_report
 from pockjax.memory.hlo import entry_schedule, update_positions
-from pockjax.memory.llama_shapes import LlamaShape, init_params, loss_fn
-from pockjax.transforms.inplace_update import inplace_update, update_schedule
-from pockjax.transforms.reorder_for_memory import reorder_for_memory
+from pockjax.transforms.inplace_update import InplaceUpdateRecord, inplace_update, update_schedule
+from pockjax.transforms.reorder_for_memory import ReorderForMemoryRecord, reorder_for_memory
 
 STATE = {"param", "opt_state"}
 
@@ -38,28 +38,19 @@ def mlp_step(opt, width=256, depth=4, batch=8):
 
 
 def llama_step(batch=2, seq=16, opt=None):
-    cfg = LlamaShape(vocab=128, dim=32, n_layers=2, n_heads=2, hidden=64)
-    opt = opt or optax.adamw(1e-3)
+    from _transformer_program import transformer_step
 
-    def step(p, s, b):
-        loss_value, g = jax.value_and_grad(loss_fn)(p, b, cfg)
-        u, s = opt.update(g, s, p)
-        return optax.apply_updates(p, u), s, loss_value
-
-    params = init_params(cfg, jax.random.key(0))
-    tok = jax.random.randint(jax.random.key(1), (batch, seq), 0, cfg.vocab)
-    return step, (params, opt.init(params), {"tokens": tok, "targets": jnp.roll(tok, -1, axis=1)})
+    return transformer_step(batch, seq, opt)
 
 
 def run(step, args, passes, scheme=None, donate=True):
     f = pockjax.compile(step, passes=passes, scheme=scheme, donate=donate)
     fresh = jax.tree.map(jnp.array, args)  # donated buffers are consumed
-    return f(*fresh), f.lower(*args)
+    return f(*fresh), f.lower(*args).compile()
 
 
 def assert_same(a, b, rtol=1e-5, atol=1e-6):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+    chex.assert_trees_all_close(a, b, rtol=rtol, atol=atol)
 
 
 def peak(graph):
@@ -72,14 +63,14 @@ def peak(graph):
 @pytest.mark.parametrize("make", [lambda: mlp_step(optax.adamw(1e-3)), lambda: llama_step()], ids=["mlp", "llama"])
 def test_inplace_update_same_values_lower_peak(make):
     step, args = make()
-    ref, _ = run(step, args, pockjax.dce)
-    out, cs = run(step, args, pockjax.chain(pockjax.dce, inplace_update()))
+    ref, _ = run(step, args, pockjax.dce())
+    out, cs = run(step, args, pockjax.chain(pockjax.dce(), inplace_update()))
     assert_same(out, ref)
-    g = pockjax.dce(pockjax.trace_step(step, args))
+    g = pockjax.dce()(pockjax.trace_step(step, args))
     g2 = inplace_update()(g)
     assert peak(g2) <= peak(g)
-    assert g2.meta["inplace_update"]["barriers"] > 0
-    assert g2.meta["inplace_update"]["coupled"] == []
+    assert g2.record(InplaceUpdateRecord).barriers > 0
+    assert g2.record(InplaceUpdateRecord).coupled == ()
     # the planner sees no more gradient bytes at the peak than before
     assert analyze(g2, donate=STATE).peak_breakdown["gradient"] <= analyze(g, donate=STATE).peak_breakdown["gradient"]
 
@@ -102,8 +93,8 @@ def test_inplace_order_holds_in_compiled_program():
     """Checked on the backend: XLA's scheduled HLO writes more parameter updates before
     the backward pass ends, and its temporary memory drops by about one gradient."""
     step, args = mlp_step(optax.adamw(1e-3))
-    _, base = run(step, args, pockjax.dce)
-    _, ours = run(step, args, pockjax.chain(pockjax.dce, inplace_update()))
+    _, base = run(step, args, pockjax.dce())
+    _, ours = run(step, args, pockjax.chain(pockjax.dce(), inplace_update()))
     rb, ro = memory_report(base), memory_report(ours)
     # every parameter but the first layer's (whose gradient completes last) is updated
     # while the backward pass still runs
@@ -116,7 +107,7 @@ def test_inplace_order_holds_in_compiled_program():
     hlo_in = ours.executable.jitted.lower(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ours.graph.in_avals]).as_text()
     assert "optimization_barrier" in hlo_in
     # without barriers only the jaxpr order changes, and XLA need not follow it
-    _, nob = run(step, args, pockjax.chain(pockjax.dce, inplace_update(barrier=False)))
+    _, nob = run(step, args, pockjax.chain(pockjax.dce(), inplace_update(barrier=False)))
     assert "optimization_barrier" not in nob.executable.jitted.lower(
         *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in nob.graph.in_avals]
     ).as_text()
@@ -125,14 +116,14 @@ def test_inplace_order_holds_in_compiled_program():
 def test_global_norm_clipping_is_coupled_and_left_in_place():
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     step, args = mlp_step(opt, width=64)
-    ref, _ = run(step, args, pockjax.dce)
-    out, _ = run(step, args, pockjax.chain(pockjax.dce, inplace_update()))
+    ref, _ = run(step, args, pockjax.dce())
+    out, _ = run(step, args, pockjax.chain(pockjax.dce(), inplace_update()))
     assert_same(out, ref)
-    g = pockjax.dce(pockjax.trace_step(step, args))
+    g = pockjax.dce()(pockjax.trace_step(step, args))
     g2 = inplace_update()(g)
-    meta = g2.meta["inplace_update"]
-    assert sorted(meta["coupled"]) == ["w0", "w1", "w2", "w3"]
-    assert meta["barriers"] == 0  # (only the loss value and scalar norms are released early)
+    record = g2.record(InplaceUpdateRecord)
+    assert sorted(record.coupled) == ["w0", "w1", "w2", "w3"]
+    assert record.barriers == 0  # (only the loss value and scalar norms are released early)
     # all gradients are still live together: no gain, and no loss
     grads = 4 * 64 * 64 * 4
     assert analyze(g2, donate=STATE).peak_breakdown["gradient"] >= grads - 64 * 4
@@ -145,16 +136,16 @@ def test_inplace_update_with_sparse_scheme_and_sparse_state():
     tx = optax.adamw(1e-3)
     state = pockjax.init_opt_state(tx, args[0], scheme)
     args = (args[0], state, args[2])
-    base = pockjax.chain(pockjax.sparse_grad(scheme, sparse_opt_state=True), pockjax.dce)
+    base = pockjax.chain(pockjax.sparse_grad(scheme, sparse_opt_state=True), pockjax.dce())
     ref, _ = run(step, args, base, scheme=scheme)
     out, cs = run(step, args, pockjax.chain(base, inplace_update(), reorder_for_memory()), scheme=scheme)
     assert_same(out, ref)
-    assert cs.graph.meta["passes"][-3:] == ["inplace_update", "reorder_for_memory", "strip_tags"]
+    assert cs.graph.pass_names[-3:] == ("inplace_update", "reorder_for_memory", "strip_tags")
 
 
 def test_inplace_update_idempotent_and_noop_without_gradients():
     step, args = mlp_step(optax.sgd(0.1), width=16, depth=2)
-    g = pockjax.dce(pockjax.trace_step(step, args))
+    g = pockjax.dce()(pockjax.trace_step(step, args))
     once = inplace_update()(g)
     twice = inplace_update()(once)
     assert peak(twice) == peak(once)
@@ -171,33 +162,33 @@ def test_inplace_update_idempotent_and_noop_without_gradients():
 
 def test_reorder_same_values_and_never_worse():
     step, args = llama_step(batch=4, seq=32)
-    ref, _ = run(step, args, pockjax.dce)
-    g = pockjax.dce(pockjax.trace_step(step, args))
+    ref, _ = run(step, args, pockjax.dce())
+    g = pockjax.dce()(pockjax.trace_step(step, args))
     peaks = [peak(g)]
     for p in (inplace_update(), reorder_for_memory(), reorder_for_memory(remat_budget=1e9)):
         g = p(g)
         peaks.append(peak(g))
     assert all(b <= a for a, b in zip(peaks, peaks[1:])), peaks
-    meta = g.meta["reorder_for_memory"]
-    assert meta["peak_after"] <= meta["peak_before"]
-    out, _ = run(step, args, pockjax.chain(pockjax.dce, inplace_update(), reorder_for_memory(remat_budget=1e9)))
+    record = g.record(ReorderForMemoryRecord)
+    assert record.peak_after <= record.peak_before
+    out, _ = run(step, args, pockjax.chain(pockjax.dce(), inplace_update(), reorder_for_memory(remat_budget=1e9)))
     assert_same(out, ref)
 
 
 def test_remat_lowers_peak_under_budget_and_xla_agrees():
     step, args = llama_step(batch=8, seq=64)
-    g = pockjax.dce(pockjax.trace_step(step, args))
+    g = pockjax.dce()(pockjax.trace_step(step, args))
     free = reorder_for_memory(remat_budget=1e9)(g)
-    meta = free.meta["reorder_for_memory"]
-    assert meta["rematerialized"] > 0 and 0 < meta["remat_flops"] <= 1e9
-    assert meta["peak_after"] < meta["peak_reordered"]
+    record = free.record(ReorderForMemoryRecord)
+    assert record.rematerialized > 0 and 0 < record.remat_flops <= 1e9
+    assert record.peak_after < record.peak_reordered
     # a zero budget recomputes nothing
-    assert reorder_for_memory(remat_budget=0)(g).meta["reorder_for_memory"]["rematerialized"] == 0
+    assert reorder_for_memory(remat_budget=0)(g).record(ReorderForMemoryRecord).rematerialized == 0
     # a small budget recomputes fewer values
-    small = reorder_for_memory(remat_budget=meta["remat_flops"] / 4)(g).meta["reorder_for_memory"]
-    assert small["rematerialized"] < meta["rematerialized"]
-    ref, base = run(step, args, pockjax.dce)
-    out, cs = run(step, args, pockjax.chain(pockjax.dce, reorder_for_memory(remat_budget=1e9)))
+    small = reorder_for_memory(remat_budget=record.remat_flops / 4)(g).record(ReorderForMemoryRecord)
+    assert small.rematerialized < record.rematerialized
+    ref, base = run(step, args, pockjax.dce())
+    out, cs = run(step, args, pockjax.chain(pockjax.dce(), reorder_for_memory(remat_budget=1e9)))
     assert_same(out, ref)
     # recomputation is not merged back by XLA: its temporaries shrink too
     assert cs.memory_analysis().temp_size_in_bytes < base.memory_analysis().temp_size_in_bytes
@@ -207,9 +198,8 @@ def test_remat_lowers_peak_under_budget_and_xla_agrees():
 
 
 def test_memory_report_table_and_plot(tmp_path):
-    pytest.importorskip("matplotlib")
     step, args = llama_step(batch=2, seq=16)
-    _, cs = run(step, args, pockjax.chain(pockjax.dce, inplace_update()))
+    _, cs = run(step, args, pockjax.chain(pockjax.dce(), inplace_update()))
     r = memory_report(cs)
     assert 0.7 < r.ratio < 1.3
     assert r.before.peak_bytes >= r.after.peak_bytes

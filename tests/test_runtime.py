@@ -12,10 +12,7 @@ import textwrap
 import numpy as np
 import pytest
 
-pytest.importorskip("iree.compiler")
-pytest.importorskip("iree.runtime")
-
-import _iree_steps as S  # noqa: E402
+import _iree_steps as S
 from pockjax import runtime  # noqa: E402
 from pockjax.backends import iree as piree  # noqa: E402
 
@@ -120,12 +117,10 @@ _NO_JAX_SCRIPT = textwrap.dedent(
     import numpy as np
     if sys.argv[4] == "package":
         from pockjax import runtime
-    else:  # the single file pockjax/runtime/module.py, copied to a device on its own
-        import importlib.util
-        spec = importlib.util.spec_from_file_location("pockjax_runtime_module", sys.argv[4])
-        runtime = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = runtime  # (dataclasses look their module up)
-        spec.loader.exec_module(runtime)
+    else:  # the folder pockjax/runtime/, copied to a device on its own (any package name)
+        sys.path.insert(0, sys.argv[4])
+        import device_runtime as runtime
+        assert "pockjax" not in sys.modules, "the copied runtime imported pockjax"
     try:
         import jax  # noqa: F401
         raise SystemExit("jax import was not blocked")
@@ -144,14 +139,19 @@ _NO_JAX_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("how", ["package", "single-file"])
+@pytest.mark.parametrize("how", ["package", "copied-folder"])
 def test_runtime_runs_in_a_process_where_jax_cannot_be_imported(exported_mlp, tmp_path, how):
-    """``from pockjax import runtime`` (and the bare module file) work where ``import jax`` fails.
+    """``from pockjax import runtime`` (and the bare runtime folder) work where ``import jax`` fails.
 
-    The ``package`` variant also needs ``pockjax/__init__.py`` not to import JAX eagerly.
+    The ``package`` variant also needs ``pockjax/__init__.py`` not to import JAX eagerly; the
+    ``copied-folder`` variant needs the runtime's modules to import each other relatively.
     """
     fs = S.mlp_step()
-    which = "package" if how == "package" else os.path.join(REPO, "pockjax", "runtime", "module.py")
+    which = "package"
+    if how == "copied-folder":
+        which = str(tmp_path / "device")
+        shutil.copytree(os.path.join(REPO, "pockjax", "runtime"), os.path.join(which, "device_runtime"),
+                        ignore=shutil.ignore_patterns("__pycache__"))
     np.savez(tmp_path / "batches.npz", **{f"x{i}": np.asarray(b[0]) for i, b in enumerate(fs.batches)},
              **{f"y{i}": np.asarray(b[1]) for i, b in enumerate(fs.batches)})
     script = tmp_path / "run_no_jax.py"

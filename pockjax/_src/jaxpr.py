@@ -8,6 +8,9 @@ objects (never by name), and build their own primitive tables with
 * :func:`subjaxprs` / :func:`sub_jaxprs`: the nested jaxprs of an equation.
 * :func:`walk`: visit every equation at any depth, with a multiplier
   (``scan`` length by default) and a hook choosing which sub-jaxprs to enter.
+* :class:`Phase`, :func:`phase`, :func:`name_stack_phase`: the one place that
+  decides whether an equation belongs to the forward pass, the backward pass
+  or neither (the optimizer update...).
 * :func:`contains`, :func:`eval_jaxpr_with`, :func:`retrace`,
   :func:`rewrite_nested`, :func:`bind_eqn`, :func:`producers`: the env-based
   interpreter that re-traces a jaxpr with per-equation rules. Passes that
@@ -20,7 +23,8 @@ objects (never by name), and build their own primitive tables with
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+import enum
+from typing import Callable, Sequence
 
 import jax
 
@@ -219,6 +223,66 @@ def walk(
         inner = multiplier * times(eqn)
         for s in subs:
             walk(s, visit, inner, times=times, select=select, strict=strict)
+
+
+# -- phases ---------------------------------------------------------------------
+class Phase(enum.IntEnum):
+    """Which part of a train step an equation belongs to.
+
+    ``jax.grad`` / ``jax.vjp`` name what they emit: the linearized forward pass
+    runs under ``jvp(...)`` in the name stack, the backward pass under
+    ``transpose(jvp(...))``. Everything else the step computes is ``OTHER``:
+    the optimizer update, and whatever the step does outside the
+    differentiated function. (Integer values, so arrays of phases stay small.)
+    """
+
+    OTHER = 0
+    FORWARD = 1
+    BACKWARD = 2
+
+
+def name_stack_phase(name_stack: str) -> Phase:
+    """The :class:`Phase` of a name stack (a jaxpr equation's, or an HLO ``op_name``).
+
+    Example:
+        >>> name_stack_phase("jit(step)/transpose(jvp(loss))/dot_general")
+        <Phase.BACKWARD: 2>
+        >>> name_stack_phase("jvp(loss)/tanh"), name_stack_phase("step/sub")
+        (<Phase.FORWARD: 1>, <Phase.OTHER: 0>)
+    """
+    if "transpose(" in name_stack:
+        return Phase.BACKWARD
+    if "jvp(" in name_stack:
+        return Phase.FORWARD
+    return Phase.OTHER
+
+
+def eqn_name_stack(eqn: C.JaxprEqn) -> str:
+    """An equation's name stack as text (empty for one built without source info)."""
+    try:
+        return str(eqn.source_info.name_stack)
+    except AttributeError:
+        return ""
+
+
+def phase(eqn: C.JaxprEqn, outer_name_stack: str = "") -> Phase:
+    """The :class:`Phase` of an equation.
+
+    Args:
+      eqn: the equation.
+      outer_name_stack: the name stack of the equations holding it, for an
+        equation of a nested jaxpr (whose own name stack starts inside its body).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> def step(w):
+        ...     return w - jax.grad(lambda w: jnp.sum(jnp.tanh(w)))(w)
+        >>> phases = [phase(e).name for e in jax.make_jaxpr(step)(jnp.ones(3)).eqns]
+        >>> phases[0], phases[-2], phases[-1]   # tanh, the gradient's last op, the update
+        ('FORWARD', 'BACKWARD', 'OTHER')
+    """
+    local = eqn_name_stack(eqn)
+    return name_stack_phase(f"{outer_name_stack}/{local}" if outer_name_stack else local)
 
 
 # -- the interpreter ------------------------------------------------------------

@@ -1,12 +1,13 @@
-"""Compilation backends.
+"""Compilation backends: what a rewritten train step is compiled with.
 
-- :mod:`pockjax.backends.targets`: the table of IREE targets (no heavy imports).
-- :mod:`pockjax.backends.iree`: export to StableHLO, compile with IREE, run with
-  state kept on the device (imports JAX and ``iree.compiler``).
-- :mod:`pockjax.backends.iree_rewrites`: graph rewrites that avoid IREE
-  compiler failures (registered as workarounds in ``iree.WORKAROUNDS``).
-- :mod:`pockjax.backends.arm64_runner`: fetches the aarch64 ``iree-run-module``
-  and runs arm64 modules under ``qemu-aarch64``.
+- :mod:`pockjax.backends.xla`: the in-process XLA executable (``jax.jit`` of
+  the rewritten jaxpr, state donated); ``pockjax.compile`` without ``target=``.
+- :mod:`pockjax.backends.iree`: ahead-of-time compilation with IREE (lowering
+  to StableHLO, the target table, the workarounds and rewrites for known IREE
+  failures, the arm64 runner); ``pockjax.compile(..., target=...)`` and
+  ``CompiledStep.export``.
 
-Submodules are imported on use so that ``import pockjax.backends`` stays cheap.
+The backends import the core (graph, passes' results) and ``pockjax.runtime``,
+never the trainers or tools. Submodules are imported on use so that
+``import pockjax.backends`` stays cheap.
 """

@@ -10,17 +10,24 @@ A bad line stops loading with an error that names the file and line number.
 
 from __future__ import annotations
 
-from pockjax.errors import PockjaxError
 import json
 import os
 
 from pockjax.data.tasks import Example
+from pockjax.errors import DataError, FileMissingError
+from pockjax.io.atomic import atomic_open
+from pockjax.io.jsonl import iter_jsonl
 
 __all__ = ["DataError", "alpaca_prompt", "load_alpaca_jsonl", "save_alpaca_jsonl"]
 
 
-class DataError(PockjaxError, ValueError):
-    """A data file is missing, empty, or has a malformed line."""
+def _has_surrogates(s: str) -> bool:
+    # JSON's \ud800 escapes decode to lone surrogates that no tokenizer can encode
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def alpaca_prompt(instruction: str, input: str = "") -> str:
@@ -46,50 +53,54 @@ def load_alpaca_jsonl(path: str | os.PathLike) -> list[Example]:
       One :class:`Example` per record (``task == "jsonl"``), in file order.
 
     Raises:
-      DataError: missing file, no records, or a malformed line (invalid JSON,
-        not an object, missing/non-string ``instruction`` or ``output``, or a
-        non-string ``input``), with ``path:line`` in the message.
+      DataError: missing file, no records, or a malformed line (binary data,
+        not UTF-8, invalid JSON, not an object, missing/non-string
+        ``instruction`` or ``output``, or a non-string ``input``), with
+        ``path:line`` in the message.
 
     Example:
-      >>> import tempfile, os
-      >>> p = os.path.join(tempfile.mkdtemp(), "d.jsonl")
-      >>> _ = open(p, "w").write('{"instruction": "Add.", "input": "2 3", "output": "5"}\\n{"oops"\\n')
+      >>> import pathlib, tempfile
+      >>> p = pathlib.Path(tempfile.mkdtemp(), "d.jsonl")
+      >>> _ = p.write_text('{"instruction": "Add.", "input": "2 3", "output": "5"}\\n{"oops"\\n')
       >>> load_alpaca_jsonl(p)
       Traceback (most recent call last):
       ...
-      pockjax.data.jsonl.DataError: ...d.jsonl:2: invalid JSON (...)
+      pockjax.errors.DataError: ...d.jsonl:2: invalid JSON (...)
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise DataError(f"data file not found: {path}")
+        raise DataError(f"data file not found: {path}"
+                        + (" (it is a directory)" if os.path.isdir(path) else ""))
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{where}: expected a JSON object with 'instruction' and"
-                                f" 'output', got {type(record).__name__}")
-            for key in ("instruction", "output"):
-                if key not in record:
-                    raise DataError(f"{where}: missing {key!r} (keys: {sorted(record)})")
-                if not isinstance(record[key], str):
-                    raise DataError(f"{where}: {key!r} must be a string,"
-                                    f" got {type(record[key]).__name__}")
-            inp = record.get("input", "")
-            if inp is None:
-                inp = ""
-            if not isinstance(inp, str):
-                raise DataError(f"{where}: 'input' must be a string, got {type(inp).__name__}")
-            if not record["instruction"].strip():
-                raise DataError(f"{where}: empty 'instruction'")
-            examples.append(Example(alpaca_prompt(record["instruction"], inp),
-                                    record["output"].strip(), "jsonl"))
+    try:
+        lines = list(iter_jsonl(path, error=DataError))
+    except FileMissingError as e:  # removed between the check and the read
+        raise DataError(str(e)) from None
+    for lineno, record in lines:
+        where = f"{path}:{lineno}"
+        if not isinstance(record, dict):
+            raise DataError(f"{where}: expected a JSON object with 'instruction' and"
+                            f" 'output', got {type(record).__name__}")
+        for key in ("instruction", "output"):
+            if key not in record:
+                raise DataError(f"{where}: missing {key!r} (keys: {sorted(record)})")
+            if not isinstance(record[key], str):
+                raise DataError(f"{where}: {key!r} must be a string,"
+                                f" got {type(record[key]).__name__}")
+        inp = record.get("input", "")
+        if inp is None:
+            inp = ""
+        if not isinstance(inp, str):
+            raise DataError(f"{where}: 'input' must be a string, got {type(inp).__name__}")
+        for key, value in (("instruction", record["instruction"]), ("input", inp),
+                           ("output", record["output"])):
+            if _has_surrogates(value):
+                raise DataError(f"{where}: {key!r} holds an unpaired UTF-16 surrogate escape"
+                                f" (\\ud800-\\udfff), which is not text")
+        if not record["instruction"].strip():
+            raise DataError(f"{where}: empty 'instruction'")
+        examples.append(Example(alpaca_prompt(record["instruction"], inp),
+                                record["output"].strip(), "jsonl"))
     if not examples:
         raise DataError(f"{path} holds no records")
     return examples
@@ -111,13 +122,10 @@ def save_alpaca_jsonl(path: str | os.PathLike, examples, instruction: str | None
       >>> load_alpaca_jsonl(p)
       [Example(prompt='Say hi.', answer='hi', task='jsonl')]
     """
-    path = os.fspath(path)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_open(path, "w", encoding="utf-8") as f:
         for ex in examples:
             if instruction is None:
                 rec = {"instruction": ex.prompt, "input": "", "output": ex.answer}
             else:
                 rec = {"instruction": instruction, "input": ex.prompt, "output": ex.answer}
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)

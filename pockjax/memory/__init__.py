@@ -1,7 +1,9 @@
-"""Memory analysis for train steps: liveness, a planner, XLA comparison, plots, RSS.
+"""Memory analysis for train steps: liveness, a planner, XLA comparison, plots.
 
-Everything except :func:`peak_rss` works from abstract values (``jax.ShapeDtypeStruct``)
-and never allocates the arrays it reasons about.
+Everything works from abstract values (``jax.ShapeDtypeStruct``) and never allocates
+the arrays it reasons about. :mod:`pockjax.memory.llama_plan` plans the Flax LLaMA
+fine-tuning step (what ``pockjax plan`` and ``pockjax memory`` report); the process-RSS
+measurements of the benchmarks live in ``benchmarks/_memory_rss.py``.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -37,7 +39,6 @@ from pockjax.memory.planner import (
 from pockjax.memory.hlo import update_positions
 from pockjax.memory.plot import plot_timeline
 from pockjax.memory.report import StepMemoryReport, memory_report
-from pockjax.memory.rss import RssResult, peak_rss, peak_rss_of_command
 
 __all__ = [
     "CATEGORIES",
@@ -47,7 +48,6 @@ __all__ = [
     "LiveValue",
     "MemoryReport",
     "Plan",
-    "RssResult",
     "StepMemoryReport",
     "XlaComparison",
     "analyze",
@@ -58,8 +58,6 @@ __all__ = [
     "format_bytes",
     "greedy_schedule",
     "memory_report",
-    "peak_rss",
-    "peak_rss_of_command",
     "plan",
     "plot_timeline",
     "update_positions",

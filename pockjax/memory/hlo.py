@@ -18,6 +18,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from pockjax._src.jaxpr import Phase, name_stack_phase
+
 __all__ = ["HloSchedule", "entry_schedule", "update_positions"]
 
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -106,7 +108,7 @@ def update_positions(compiled: Any, out_roles: Sequence[str], *, outputs: Sequen
     idx = list(outputs) if outputs is not None else list(range(len(out_roles)))
     roles = [out_roles[i] for i in idx]
     pos = {n: k for k, n in enumerate(s.names)}
-    backward = [k for k, op in enumerate(s.op_names) if "transpose(" in op]
+    backward = [k for k, op in enumerate(s.op_names) if name_stack_phase(op) is Phase.BACKWARD]
     last_backward = max(backward) if backward else -1
     param_positions = []
     for role, name in zip(roles, s.root_operands):

@@ -106,7 +106,7 @@ _ALIAS_PRIMITIVES = prims("optimization_barrier", "pockjax_param_tag", "pockjax_
 _GRAD_TAG = tags.grad_tag_p
 
 # Phases of an equation, read from its name stack.
-_OTHER, _FORWARD, _BACKWARD = 0, 1, 2
+_OTHER, _FORWARD, _BACKWARD = J.Phase.OTHER, J.Phase.FORWARD, J.Phase.BACKWARD
 
 
 def aval_bytes(aval: Any) -> int:
@@ -215,14 +215,6 @@ def _name_stack_str(source_info: Any) -> str:
         return ""
 
 
-def _phase_of(name_stack: str) -> int:
-    if "transpose(" in name_stack:
-        return _BACKWARD
-    if "jvp(" in name_stack:
-        return _FORWARD
-    return _OTHER
-
-
 def _call_label(eqn: Any) -> str:
     name = eqn.params.get("name")
     return f"{eqn.primitive.name}({name})" if name else eqn.primitive.name
@@ -263,7 +255,7 @@ class _Flattener:
     def literal_value(self, var: Any, path: str, ns: str, source_info: Any) -> int:
         """A node materialising a literal that a call or alias returns."""
         vid = self.new_value(var.aval, "inter", def_node=len(self.nodes))
-        self.nodes.append(_Node("literal", path, ns, source_info, (), (vid,), phase=_phase_of(ns)))
+        self.nodes.append(_Node("literal", path, ns, source_info, (), (vid,), phase=J.name_stack_phase(ns)))
         return vid
 
     def run(
@@ -289,7 +281,9 @@ class _Flattener:
                     if not isinstance(ov, jex_core.DropVar):
                         self.bind(env, ov, o)
                 uniq = tuple(dict.fromkeys(v for v in ins if v is not None))
-                self.nodes.append(_Node(prim, path, ns, src, uniq, tuple(outs), phase=_phase_of(ns), prim=p_obj))
+                self.nodes.append(
+                    _Node(prim, path, ns, src, uniq, tuple(outs), phase=J.name_stack_phase(ns), prim=p_obj)
+                )
                 continue
             if p_obj in _ALIAS_PRIMITIVES and len(eqn.invars) == len(eqn.outvars):
                 for ov, vid in zip(eqn.outvars, ins):
@@ -335,7 +329,7 @@ class _Flattener:
                     ins=uniq_ins,
                     outs=tuple(outs),
                     extra=self.nested_extra(eqn),
-                    phase=_phase_of(ns),
+                    phase=J.name_stack_phase(ns),
                     prim=p_obj,
                 )
             )

@@ -6,6 +6,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from pockjax.io.atomic import atomic_open
 from pockjax.memory.liveness import MemoryReport, format_bytes
 
 __all__ = ["plot_timeline"]
@@ -143,9 +144,12 @@ def plot_timeline(
     fig.legend([handles[k] for k in order], order, loc="lower center", ncol=len(order), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     written = []
-    for t in targets:
-        os.makedirs(os.path.dirname(os.path.abspath(t)), exist_ok=True)
-        fig.savefig(t, dpi=dpi)
-        written.append(t)
-    plt.close(fig)
+    try:
+        for t in targets:
+            os.makedirs(os.path.dirname(os.path.abspath(t)), exist_ok=True)
+            with atomic_open(t, "wb") as f:
+                fig.savefig(f, format=os.path.splitext(t)[1].lstrip(".").lower(), dpi=dpi)
+            written.append(t)
+    finally:
+        plt.close(fig)
     return written

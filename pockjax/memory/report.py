@@ -48,7 +48,7 @@ class StepMemoryReport:
       ...     u, s = tx.update(g, s, p)
       ...     return optax.apply_updates(p, u), s, loss
       >>> p = {"w": jnp.ones((8, 8))}
-      >>> r = memory_report(pockjax.compile(step).lower(p, tx.init(p), jnp.ones((2, 8))))
+      >>> r = memory_report(pockjax.compile(step).lower(p, tx.init(p), jnp.ones((2, 8))).compile())
       >>> print(r.table().splitlines()[0])
       planner peak, before passes ...
     """
@@ -124,7 +124,7 @@ def memory_report(compiled_step: Any, *, donate: bool = True, fusion: str = "xla
     """Planner figures of a compiled step next to XLA's memory analysis.
 
     Args:
-      compiled_step: a :class:`pockjax.CompiledStep` (``pockjax.compile(step).lower(*args)``).
+      compiled_step: a :class:`pockjax.CompiledStep` (``pockjax.compile(step).lower(*args).compile()``).
       donate: whether parameters and optimizer state were donated (pockjax's default).
       fusion: fusion model of the planner.
 
@@ -142,7 +142,7 @@ def memory_report(compiled_step: Any, *, donate: bool = True, fusion: str = "xla
         mask = False
     after = analyze(graph, donate=mask, fusion=fusion)
     traced = compiled_step.traced
-    before = analyze(dce(strip_tags(traced)), donate=set(_STATE_ROLES) if donate else False, fusion=fusion)
+    before = analyze(dce()(strip_tags()(traced)), donate=set(_STATE_ROLES) if donate else False, fusion=fusion)
     compiled = compiled_step.executable.compiled
     x = xla_memory(compiled)
     try:
@@ -153,4 +153,4 @@ def memory_report(compiled_step: Any, *, donate: bool = True, fusion: str = "xla
         hlo = update_positions(compiled, graph.out_roles, outputs=outs)
     except Exception:  # noqa: BLE001 - the HLO text is best effort
         hlo = {}
-    return StepMemoryReport(after, before, x, hlo, tuple(graph.meta.get("passes", ())))
+    return StepMemoryReport(after, before, x, hlo, graph.pass_names)

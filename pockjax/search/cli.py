@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import re
 import sys
@@ -161,7 +160,8 @@ def run_search(cfg: SearchConfig, *, log: Callable[[str], None] | None = None, m
     """Runs the whole search (see the module docstring); returns the report dict.
 
     Raises:
-      SearchError, BudgetError, SchemeError, DataError, KeyError, FileNotFoundError: bad input.
+      PockjaxError: bad input (SearchError, BudgetError, SchemeError, DataError, a missing or
+        corrupt model file, ...).
     """
     import numpy as np
     from tqdm.auto import tqdm
@@ -172,7 +172,8 @@ def run_search(cfg: SearchConfig, *, log: Callable[[str], None] | None = None, m
     from pockjax.search.search import search
     from pockjax.search.units import KINDS, all_units, scheme_for, units_of_scheme
     from pockjax.train.finetune import FinetuneConfig, _examples
-    from pockjax.train.schemes import llama_scheme, save_scheme_file
+    from pockjax.io.atomic import atomic_open, remove_stale_temporaries, write_json
+    from pockjax.schemes import resolve_scheme, save_scheme_file
 
     log = log or (lambda s: print(s, flush=True))
     t_start = time.perf_counter()
@@ -193,6 +194,8 @@ def run_search(cfg: SearchConfig, *, log: Callable[[str], None] | None = None, m
         raise SearchError("give at least one of --time-budget and --memory-budget")
     if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise SearchError(f"--out {cfg.out} exists and is not a directory")
+    if cfg.out:
+        remove_stale_temporaries(cfg.out)  # what an interrupted search left (a missing --out is fine)
 
     if model is None:
         model, tokenizer = _load(cfg)
@@ -208,7 +211,7 @@ def run_search(cfg: SearchConfig, *, log: Callable[[str], None] | None = None, m
     batcher = Batcher(tokenizer, train, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
                       max_seq_len=mc.max_seq_len)
     window = batcher.answer_window
-    ref_scheme = llama_scheme(cfg.reference, mc, blocks=cfg.reference_blocks)
+    ref_scheme = resolve_scheme(cfg.reference, mc, blocks=cfg.reference_blocks)  # as pockjax finetune
     ref_units = units_of_scheme(ref_scheme, mc)
     if not ref_units:
         raise SearchError(f"the reference scheme {cfg.reference!r} trains none of the search's tensor kinds")
@@ -387,13 +390,15 @@ def run_search(cfg: SearchConfig, *, log: Callable[[str], None] | None = None, m
         f" gradients {timings['proxy_seconds']:.1f} s, search {timings['search_seconds']:.1f} s)")
 
     if cfg.out:
-        os.makedirs(cfg.out, exist_ok=True)
+        try:
+            os.makedirs(cfg.out, exist_ok=True)
+        except OSError as e:
+            raise SearchError(f"cannot create --out {cfg.out}: {e.strerror or e}") from None
         save_scheme_file(os.path.join(cfg.out, "scheme.json"),
                          scheme_for(result.units, name=f"searched ({len(result.units)} tensors,"
                                                            f" budget {cfg.time_budget}/{cfg.memory_budget})"))
-        with open(os.path.join(cfg.out, "report.json"), "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1)
-        with open(os.path.join(cfg.out, "units.tsv"), "w", encoding="utf-8") as f:
+        write_json(os.path.join(cfg.out, "report.json"), report, indent=1, ensure_ascii=True)
+        with atomic_open(os.path.join(cfg.out, "units.tsv"), "w") as f:
             cols = ["unit", "gain", "abs_grad", "grad_norm", "params", "flops_alone", "weight_flops",
                     "memory_alone", "chosen", "reference"]
             f.write("\t".join(cols) + "\n")
@@ -425,8 +430,11 @@ def register(subparsers) -> None:
     p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (scales the gains)")
     p.add_argument("--kinds", default=d.kinds, help="tensor kinds to consider")
     p.add_argument("--blocks", default=None, help="candidate blocks, e.g. 10-29 (default: all)")
-    p.add_argument("--reference", default=d.reference, help="scheme the budgets refer to (paper, full, file)")
-    p.add_argument("--reference-blocks", type=int, default=None, help="--blocks of the reference scheme")
+    p.add_argument("--reference", default=d.reference,
+                   help="scheme the budgets refer to: a pockjax.schemes name (paper, full, ...), as pockjax"
+                        " finetune trains it, or a scheme file")
+    p.add_argument("--reference-blocks", type=int, default=None,
+                   help="--blocks of the reference scheme (default: the registry's, as pockjax finetune)")
     p.add_argument("--time-budget", default=d.time_budget,
                    help="step-time budget as step FLOPs: paper, 0.8*paper, 2.4e12, 900GFLOP, none")
     p.add_argument("--memory-budget", default=d.memory_budget,
@@ -445,18 +453,13 @@ def register(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pockjax.errors import PockjaxError
-
+    """Runs the search; a :class:`~pockjax.errors.PockjaxError` (bad input) reaches
+    :mod:`pockjax.cli`, which prints it in one line (exit 2); anything else is a bug."""
     fields = {f.name for f in dataclasses.fields(SearchConfig)}
     kw = {k: getattr(args, k) for k in fields if hasattr(args, k)}
     kw["plot"] = not args.no_plot
     kw["progress"] = not args.no_progress
-    try:
-        run_search(SearchConfig(**kw))
-    except (PockjaxError, FileNotFoundError, KeyError, ValueError, OSError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        print(f"pockjax search: error: {msg}", file=sys.stderr)
-        return 2
+    run_search(SearchConfig(**kw))
     return 0
 
 

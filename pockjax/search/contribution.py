@@ -18,13 +18,16 @@ few AdamW steps with only one unit trainable, and the held-out loss decrease;
 Example:
   >>> from flax import nnx
   >>> from pockjax.models import llama
-  >>> from pockjax.search.units import all_units
+  >>> from pockjax.search.units import Unit, all_units
   >>> model = llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
   >>> tok = jnp.ones((2, 16), jnp.int32)
   >>> batch = {"tokens": tok, "targets": tok, "loss_mask": jnp.ones((2, 16)), "loss_start": jnp.zeros(2, jnp.int32)}
   >>> c = gradient_proxy(model, [batch, batch], 4, all_units(model.config))
   >>> len(c.gain), all(v >= 0 for v in c.gain.values())
   (14, True)
+  >>> r = short_finetunes(model, [batch], [batch], 4, [Unit(1, "w2")], steps=2, lr=1e-2)
+  >>> r["gain"][Unit(1, "w2")] > 0
+  True
 """
 
 from __future__ import annotations
@@ -152,16 +155,7 @@ def short_finetunes(model: Any, train_batches: Sequence[dict], eval_batches: Seq
       ``{"loss_before": float, "loss_after": {unit: float}, "gain": {unit: before - after},
       "steps": steps, "seconds": wall}``.
 
-    Example:
-      >>> from flax import nnx
-      >>> from pockjax.models import llama
-      >>> from pockjax.search.units import Unit
-      >>> model = llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
-      >>> tok = jnp.ones((2, 16), jnp.int32)
-      >>> b = {"tokens": tok, "targets": tok, "loss_mask": jnp.ones((2, 16)), "loss_start": jnp.zeros(2, jnp.int32)}
-      >>> r = short_finetunes(model, [b], [b], 4, [Unit(1, "w2")], steps=2, lr=1e-2)
-      >>> r["gain"][Unit(1, "w2")] > 0
-      True
+    The module's example runs it for one unit after :func:`gradient_proxy`.
     """
     t0 = time.perf_counter()
     graphdef, sub, rest = _split_units(model, units)

@@ -152,7 +152,7 @@ class StepGraph:
         scheme = scheme_for(units)
         # no units: the baseline step that trains nothing, on purpose
         passes = default_passes(scheme, sparse_opt_state=True, allow_nothing_trained=not units)
-        return strip_tags(passes(self.traced))
+        return strip_tags()(passes(self.traced))
 
     def evaluate(self, units: Iterable[Unit]) -> Exact:
         """Exact FLOPs and planned peak memory of the pruned step for ``units``."""
@@ -371,7 +371,7 @@ def measure_step_seconds(model: Any, tokenizer: Any, units_or_scheme: Any, batch
     opt_state = pockjax.init_opt_state(tx, params, scheme)
     b0 = {k: jnp.asarray(v) for k, v in batches[0].items()}
     t = time.perf_counter()
-    step.lower(params, opt_state, b0)
+    step.lower(params, opt_state, b0).compile()
     compile_s = time.perf_counter() - t
     times = []
     for i in range(steps + 1):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+from pockjax.io.atomic import atomic_open
+
 __all__ = ["plot_gain_vs_cost"]
 
 _COLORS = {"wq": "tab:blue", "wk": "tab:cyan", "wv": "tab:purple", "wo": "tab:olive",
@@ -44,6 +48,9 @@ def plot_gain_vs_cost(report: dict, path: str) -> str:
     b.set_title("gain by block and tensor kind")
     b.legend(fontsize=8, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with atomic_open(path, "wb") as f:
+            fig.savefig(f, format=os.path.splitext(path)[1].lstrip(".").lower() or "png", dpi=110)
+    finally:
+        plt.close(fig)
     return path

@@ -29,7 +29,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from pockjax.errors import PockjaxError
 from pockjax.search.cost import CostModel, Exact, StepGraph

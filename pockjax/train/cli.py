@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pockjax._cli_args import (StoreGiven, float_in, given_options, non_negative_finite_float,
+                               non_negative_int, positive_finite_float, positive_int, probability)
 from pockjax.train.finetune import DEFAULT_LR, FinetuneConfig
 from pockjax.train.schemes import DEFAULT_BLOCKS, SCHEMES
 
@@ -33,11 +35,13 @@ def run_finetune(args: argparse.Namespace) -> int:
     fields = {k: getattr(args, k) for k in (
         "model", "task", "data", "scheme", "blocks", "optimizer", "lr", "steps", "batch_size",
         "seq_len", "seed", "eval_examples", "save_every", "out", "resume", "show")}
-    if fields["steps"] is None and not args.resume:
+    given = given_options(args)
+    if fields["steps"] is None:  # with --resume: the run's own
         fields["steps"] = _D.steps
     fields["progress"] = not args.no_progress
+    given.add("progress")
     try:
-        result = finetune(FinetuneConfig(**fields))
+        result = finetune(FinetuneConfig(**fields), given=given)
     except _bad_input() as e:
         return _error("finetune", e)
     except KeyboardInterrupt:
@@ -53,7 +57,10 @@ def run_generate(args: argparse.Namespace) -> int:
     from pockjax.models import llama
 
     try:
+        from pockjax.models.llama.generate import check_finite_weights
+
         model, tok = llama.load_pretrained(args.model)
+        check_finite_weights(model, args.model)
         answers = llama.generate_text(model, tok, args.prompt, max_new_tokens=args.max_new_tokens,
                                       temperature=args.temperature, top_p=args.top_p,
                                       seed=args.seed)
@@ -76,35 +83,44 @@ def register(subparsers) -> None:
                     " learns to reverse the words of a sentence with the PockEngine 'paper'"
                     " scheme, about 3 minutes on a 2-core CPU).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=_D.model,
+    # StoreGiven: --resume tells the options given from those left at their
+    # defaults; a given one that decides the result must equal the run's own.
+    p.add_argument("--model", default=_D.model, action=StoreGiven,
                    help="smollm2-135m, a .gguf file, or a Hugging Face LLaMA directory")
-    p.add_argument("--task", default=_D.task, choices=sorted(TASKS), help="built-in task")
-    p.add_argument("--data", default=None, metavar="FILE.jsonl",
+    p.add_argument("--task", default=_D.task, choices=sorted(TASKS), action=StoreGiven,
+                   help="built-in task")
+    p.add_argument("--data", default=None, metavar="FILE.jsonl", action=StoreGiven,
                    help="Alpaca-format JSONL (instruction, input, output) instead of --task")
     p.add_argument("--scheme", default=_D.scheme, metavar="|".join(SCHEMES) + "|FILE",
+                   action=StoreGiven,
                    help="update scheme, or a JSON scheme file (UpdateScheme.to_dict)")
-    p.add_argument("--blocks", type=int, default=None,
+    p.add_argument("--blocks", type=positive_int, default=None, action=StoreGiven,
                    help=f"last blocks trained by paper/channels (default {DEFAULT_BLOCKS})")
-    p.add_argument("--optimizer", default=_D.optimizer, choices=sorted(DEFAULT_LR))
-    p.add_argument("--lr", type=float, default=None,
-                   help="learning rate (default: " + ", ".join(
+    p.add_argument("--optimizer", default=_D.optimizer, choices=sorted(DEFAULT_LR),
+                   action=StoreGiven)
+    p.add_argument("--lr", type=positive_finite_float, default=None, action=StoreGiven,
+                   help="learning rate, finite and > 0 (default: " + ", ".join(
                        f"{k} {v:g}" for k, v in DEFAULT_LR.items()) + ")")
-    p.add_argument("--steps", type=int, default=None, help=f"training steps (default {_D.steps};"
-                   " with --resume: the run's own)")
-    p.add_argument("--batch-size", type=int, default=_D.batch_size)
-    p.add_argument("--seq-len", type=int, default=None,
+    p.add_argument("--steps", type=positive_int, default=None, action=StoreGiven,
+                   help=f"training steps (default {_D.steps}; with --resume: the run's own;"
+                   " a larger value continues the run exactly, one below its current step"
+                   " is refused)")
+    p.add_argument("--batch-size", type=positive_int, default=_D.batch_size, action=StoreGiven)
+    p.add_argument("--seq-len", type=positive_int, default=None, action=StoreGiven,
                    help="row length (default: the longest example, rounded up to 16)")
-    p.add_argument("--seed", type=int, default=_D.seed)
-    p.add_argument("--eval-examples", type=int, default=_D.eval_examples,
+    p.add_argument("--seed", type=non_negative_int, default=_D.seed, action=StoreGiven)
+    p.add_argument("--eval-examples", type=non_negative_int, default=_D.eval_examples,
+                   action=StoreGiven,
                    help="held-out examples for exact match before and after (0: skip)")
-    p.add_argument("--save-every", type=int, default=_D.save_every,
-                   help="checkpoint every N steps (0: only at the end)")
-    p.add_argument("--show", type=int, default=_D.show, help="generations shown before/after")
+    p.add_argument("--save-every", type=positive_int, default=_D.save_every, action=StoreGiven,
+                   help="checkpoint every N steps (N >= --steps: only at the end)")
+    p.add_argument("--show", type=non_negative_int, default=_D.show, action=StoreGiven,
+                   help="generations shown before/after")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="output directory: weights, tokenizer, scheme, metrics, resume state")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--fail-below", type=float, default=None, metavar="ACC",
+    p.add_argument("--fail-below", type=float_in(0.0, 1.0), default=None, metavar="ACC",
                    help="exit with status 1 if the held-out accuracy ends below ACC")
     p.set_defaults(func=run_finetune)
 
@@ -115,8 +131,9 @@ def register(subparsers) -> None:
                    help="smollm2-135m, a .gguf file, or a directory written by finetune --out")
     g.add_argument("--prompt", action="append", required=True,
                    help="user message (repeat for several prompts)")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=positive_int, default=64)
+    g.add_argument("--temperature", type=non_negative_finite_float, default=0.0,
+                   help="0: greedy")
+    g.add_argument("--top-p", type=probability, default=1.0, help="in (0, 1]")
+    g.add_argument("--seed", type=non_negative_int, default=0)
     g.set_defaults(func=run_generate)

@@ -17,10 +17,19 @@ is only ever replaced whole (see :func:`write_output`)::
     OUT/tokenizer.json, tokenizer_config.json
     OUT/scheme.json                           the UpdateScheme (UpdateScheme.from_dict)
     OUT/metrics.json                          accuracy before/after, timings, losses
-    OUT/run.json                              the FinetuneConfig of the run
+    OUT/run.json                              the FinetuneConfig of the run, effective
+                                              lr / seq_len, the data file's SHA-256
     OUT/state/opt_state.npz, trainer.json     optimizer state, step, rng: for --resume
 
 ``OUT`` loads with ``llama.load_pretrained(OUT)`` and ``pockjax generate --model OUT``.
+
+Trust: every number is checked before any work; ``resume=True`` continues the
+run exactly or refuses (:data:`RESULT_FIELDS`); the step returns
+:func:`~pockjax.train.steps.weight_health` and the run stops with a
+:class:`~pockjax.errors.NonFiniteError` (naming the step and the first bad
+tensor) when the loss or a trained weight is not finite or the weights
+diverge (:data:`WEIGHT_GROWTH_LIMIT`); no checkpoint holding a NaN or an
+infinity is ever written.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import sys
@@ -42,19 +52,38 @@ import optax
 
 import pockjax
 from pockjax.data import Batcher, DataError, evaluate_model, load_alpaca_jsonl, train_eval_split
+from pockjax.io.atomic import atomic_directory, pid_alive, remove_stale_temporaries, write_json
+from pockjax.io.jsonfile import read_json_object
 from pockjax.models import llama
-from pockjax.runtime.module import process_rss_bytes
+from pockjax.runtime.heap import process_rss_bytes
 from pockjax.train.schemes import llama_scheme, load_scheme_file, save_scheme_file
-from pockjax.train.steps import ANSWER_STEP_XLA_OPTIONS, answer_train_step
+from pockjax.errors import NonFiniteError, SchemeError
+from pockjax.scheme import Frozen, Full
+from pockjax.train.steps import ANSWER_STEP_XLA_OPTIONS, answer_train_step, first_non_finite
 
 __all__ = ["FinetuneConfig", "FinetuneError", "FinetuneResult", "finetune", "make_optimizer",
-           "write_output", "OUTPUT_FILES"]
+           "write_output", "OUTPUT_FILES", "RESULT_FIELDS", "WEIGHT_GROWTH_LIMIT"]
 
 #: Files a finished output directory holds (``state/`` holds the resume state).
 OUTPUT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                 "scheme.json", "metrics.json", "run.json", "state")
 
 DEFAULT_LR = {"adamw": 3e-4, "adam": 3e-4, "sgd": 1e-2, "lion": 3e-5}
+
+#: A run stops (:class:`~pockjax.errors.NonFiniteError`) when the L2 norm of
+#: the fully trained weights grows beyond this many times its value at the
+#: start of the run: the updates diverge (``--lr 1e9`` makes weights of size
+#: 1e9 in one step), and the NaN or infinity they lead to would come a step
+#: later or never (a final RMSNorm keeps the loss finite). Ordinary
+#: fine-tuning changes that norm by a few percent.
+WEIGHT_GROWTH_LIMIT = 1000.0
+
+#: The options that decide the trained weights: ``--resume`` keeps them (a
+#: different value is refused, with the differences listed). The others may
+#: change on resume: ``steps`` (not below the run's current step: continuing
+#: is exact), ``save_every``, ``show``, ``progress``, ``eval_max_new_tokens``.
+RESULT_FIELDS = ("model", "task", "data", "scheme", "blocks", "optimizer", "lr", "batch_size",
+                 "seq_len", "seed", "train_examples", "eval_examples")
 
 # The default run's goal (see the closing summary).
 GOAL_ACCURACY = 0.8
@@ -86,7 +115,8 @@ class FinetuneConfig:
       eval_examples: Held-out examples for exact match before and after (0: skip).
       eval_max_new_tokens: Generation budget (None: longest answer + margin).
       show: Generations printed before and after.
-      save_every: Write a checkpoint every this many steps (0: only at the end).
+      save_every: Write a checkpoint every this many steps (0: only at the end;
+        the CLI's ``--save-every`` takes >= 1).
       out: Output directory (None: write nothing).
       resume: Continue the run in ``out``.
       progress: Show the progress bar.
@@ -143,8 +173,8 @@ def make_optimizer(name: str, lr: float | None = None) -> optax.GradientTransfor
     if key not in DEFAULT_LR:
         raise FinetuneError(f"unknown optimizer {name!r}; use one of {', '.join(DEFAULT_LR)}")
     lr = DEFAULT_LR[key] if lr is None else float(lr)
-    if not lr > 0:
-        raise FinetuneError(f"the learning rate must be positive, got {lr}")
+    if not (lr > 0 and math.isfinite(lr)):
+        raise FinetuneError(f"the learning rate must be a finite number > 0, got {lr}")
     if key == "adamw":
         return optax.adamw(lr, weight_decay=0.0)
     if key == "adam":
@@ -173,34 +203,46 @@ def _gb(n: int) -> str:
 
 
 def _json_dump(obj: Any, path: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, ensure_ascii=False)
+    write_json(path, obj, indent=1)
+
+
+_LEGACY_TMP = re.compile(r"\.tmp-(\d+)$")
 
 
 def _recover(out: str) -> None:
-    """Finishes an interrupted directory swap (see :func:`write_output`)."""
+    """Repairs what a killed run left beside ``out`` (see :func:`write_output`).
+
+    Removes the temporaries of dead processes, moves back an old directory
+    whose swap was interrupted, and does the same for the names older
+    versions used (``OUT.old``, ``OUT.tmp-PID``).
+    """
+    out = os.path.abspath(out)
+    parent = os.path.dirname(out)
+    remove_stale_temporaries(parent)
     old = out + ".old"
     if not os.path.exists(out) and os.path.isdir(old):
         os.replace(old, out)
+    base = os.path.basename(out)
+    for name in os.listdir(parent) if os.path.isdir(parent) else ():
+        m = _LEGACY_TMP.search(name)
+        if m and name[:m.start()] == base and not pid_alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
 def write_output(out: str, *, model: Any, tokenizer: Any, scheme: pockjax.UpdateScheme,
                  metrics: dict, run: dict, opt_state: Any, step: int, rng: Any) -> None:
-    """Writes a complete output directory atomically.
+    """Writes a complete output directory atomically and durably.
 
-    Everything goes to ``OUT.tmp-PID`` first; then the old ``OUT`` is renamed to
-    ``OUT.old``, the new one to ``OUT``, and ``OUT.old`` is deleted. A failure
-    while writing leaves the previous ``OUT`` untouched (and no temporary
-    directory); a crash between the two renames is repaired by the next run
-    (``OUT.old`` is moved back).
+    Everything goes to a temporary sibling (``OUT.pockjax-tmp-PID-TAG``), is
+    fsynced, and then takes the place of ``OUT`` (see
+    :func:`pockjax.io.atomic.atomic_directory`). A failure while writing
+    leaves the previous ``OUT`` untouched and no temporary; a process killed
+    while writing leaves a temporary that the next run removes (and an
+    interrupted swap, which the next run undoes).
     """
     out = os.path.abspath(out)
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = f"{out}.tmp-{os.getpid()}"
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    try:
+    _recover(out)
+    with atomic_directory(out) as tmp:
         os.makedirs(os.path.join(tmp, "state"))
         llama.save_hf_checkpoint(model, tmp)
         tokenizer.save(tmp)
@@ -214,28 +256,19 @@ def write_output(out: str, *, model: Any, tokenizer: Any, scheme: pockjax.Update
                     "opt_state_leaves": len(leaves),
                     "opt_state_shapes": [list(np.shape(x)) for x in leaves]},
                    os.path.join(tmp, "state", "trainer.json"))
-        _recover(out)
-        old = out + ".old"
-        if os.path.exists(old):
-            shutil.rmtree(old)
-        if os.path.exists(out):
-            os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _read_state(out: str) -> tuple[dict, list[np.ndarray]]:
     tj = os.path.join(out, "state", "trainer.json")
     npz = os.path.join(out, "state", "opt_state.npz")
     try:
-        with open(tj, encoding="utf-8") as f:
-            trainer = json.load(f)
-        with np.load(npz) as z:
-            leaves = [z[f"leaf_{i:04d}"] for i in range(trainer["opt_state_leaves"])]
-    except (OSError, KeyError, ValueError) as e:
+        trainer = read_json_object(tj, what="training state")
+        n = trainer.get("opt_state_leaves")
+        if type(n) is not int or n < 0 or type(trainer.get("step")) is not int:
+            raise ValueError(f"{tj} lacks an integer step and opt_state_leaves")
+        with np.load(npz, allow_pickle=False) as z:  # never unpickle
+            leaves = [z[f"leaf_{i:04d}"] for i in range(n)]
+    except (OSError, KeyError, ValueError, EOFError, pockjax.PockjaxError) as e:
         raise FinetuneError(f"cannot resume from {out}: its training state is unreadable"
                             f" ({type(e).__name__}: {e})") from None
     return trainer, leaves
@@ -280,12 +313,111 @@ def _show(title: str, held, result, n: int, log) -> None:
 
 # -- the run -----------------------------------------------------------------------
 
-_RESUME_KEEP = ("steps", "out", "save_every", "progress", "show")
+#: Fields that may change on ``--resume`` (see :data:`RESULT_FIELDS`).
+RESUME_MAY_CHANGE = ("steps", "save_every", "show", "progress", "eval_max_new_tokens")
+
+# The smallest value of each whole-number field (None allowed where the field defaults to None).
+_INT_MIN = {"steps": 1, "batch_size": 1, "seed": 0, "train_examples": 1, "eval_examples": 0,
+            "show": 0, "save_every": 0, "blocks": 1, "seq_len": 1, "eval_max_new_tokens": 1}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _validate(cfg: FinetuneConfig) -> None:
+    """Refuses a number out of range (one line naming the option), before any work."""
+    for name, low in _INT_MIN.items():
+        value = getattr(cfg, name)
+        if value is None and name in ("blocks", "seq_len", "eval_max_new_tokens"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise FinetuneError(f"{_flag(name)} must be a whole number >= {low}, got {value!r}")
+    if cfg.lr is not None:
+        lr = cfg.lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating)) \
+                or not (math.isfinite(lr) and lr > 0):
+            raise FinetuneError(f"--lr must be a finite number > 0, got {lr!r}")
+
+
+def _file_sha256(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _same_option(name: str, given: Any, saved: FinetuneConfig) -> bool:
+    """Whether ``given`` means the same as the run's value of ``name``."""
+    from pockjax.train.schemes import DEFAULT_BLOCKS, SCHEMES
+
+    have = getattr(saved, name)
+    if name == "lr":
+        return float(DEFAULT_LR.get(saved.optimizer, 0) if have is None else have) == \
+            float(DEFAULT_LR.get(saved.optimizer, 0) if given is None else given)
+    if name == "blocks":
+        return (DEFAULT_BLOCKS if have is None else have) == (DEFAULT_BLOCKS if given is None else given)
+    if name == "data" and have and given:
+        return os.path.abspath(have) == os.path.abspath(given)
+    if name == "scheme" and have not in SCHEMES and given not in SCHEMES:
+        return os.path.abspath(str(have)) == os.path.abspath(str(given))
+    return have == given
+
+
+def _resume_config(cfg: FinetuneConfig, out: str, run: dict, given: set[str]) -> FinetuneConfig:
+    """The run's own configuration with the allowed changes in ``given`` applied.
+
+    Raises FinetuneError listing every option in ``given`` that differs from the
+    run's and decides its result (:data:`RESULT_FIELDS`).
+    """
+    from pockjax.train.schemes import DEFAULT_BLOCKS
+
+    saved = FinetuneConfig.from_dict(run["config"])
+
+    def shown(name, value):
+        if value is None and name == "lr":
+            return f"{DEFAULT_LR.get(saved.optimizer, 0):g} (default)"
+        if value is None and name == "blocks":
+            return f"{DEFAULT_BLOCKS} (default)"
+        return repr(value)
+
+    diffs = [f"{_flag(k)}: the run has {shown(k, getattr(saved, k))}, given {shown(k, getattr(cfg, k))}"
+             for k in RESULT_FIELDS if k in given and not _same_option(k, getattr(cfg, k), saved)]
+    if diffs:
+        raise FinetuneError(
+            f"cannot resume {out} with other options than its own ({'; '.join(diffs)}): they decide"
+            f" the trained weights; leave them out to continue the run exactly, or start a new run"
+            f" in another --out (only {', '.join(_flag(k) for k in RESUME_MAY_CHANGE)} may change)")
+    keep = {k: getattr(cfg, k) for k in RESUME_MAY_CHANGE if k in given}
+    return dataclasses.replace(saved, **keep, out=cfg.out, resume=True)
+
+
+def _host_norm(params: Any, paths: list[str]) -> float:
+    """L2 norm of the tensors ``paths`` of ``params`` (flat dict)."""
+    return math.sqrt(sum(float(np.sum(np.square(np.asarray(params[p]).astype(np.float64))))
+                         for p in paths))
+
+
+def _host_peak(params: Any, paths: list[str]) -> tuple[float, str | None]:
+    """Largest magnitude among ``paths`` of ``params`` (flat dict), and its path."""
+    peak, where = 0.0, None
+    for path in paths:
+        x = np.asarray(params[path])
+        if x.size == 0:
+            continue
+        m = float(np.max(np.abs(x.astype(np.float32))))
+        if m > peak or where is None:
+            peak, where = m, path
+    return peak, where
 
 
 def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None,
              log: Callable[[str], None] | None = None,
-             on_step: Callable[[int, float], None] | None = None) -> FinetuneResult:
+             on_step: Callable[[int, float], None] | None = None,
+             given: Any = None) -> FinetuneResult:
     """Fine-tunes a model with a sparse (or full) update scheme; see the module docstring.
 
     Args:
@@ -294,18 +426,30 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
       log: Where text goes (default ``print``).
       on_step: Called after each step as ``on_step(step, loss)`` (``step``
         counts finished steps); an exception there stops the run like a crash.
+      given: With ``config.resume``: the names of the fields the caller set
+        (the CLI passes the options given on its command line); the others
+        are the run's own. None: the fields that differ from
+        :class:`FinetuneConfig`'s defaults. A field of :data:`RESULT_FIELDS`
+        that differs from the run's is refused; ``steps`` may not be below
+        the run's current step.
 
     Returns:
       A :class:`FinetuneResult`.
 
     Raises:
       FinetuneError, DataError, SequenceLengthError, SchemeError (including
-      UnmatchedPatternError), GGUFError, FileNotFoundError: bad input; raised
-      before anything is written.
+      UnmatchedPatternError and a scheme that freezes every parameter),
+      GGUFError, FileNotFoundError: bad input; raised before anything is written.
+      NonFiniteError: the loss, a trained weight or its optimizer state became
+        NaN or infinite, or the weights grew beyond :data:`WEIGHT_GROWTH_LIMIT`
+        times their size at the start (the output directory keeps the last
+        checkpoint; the failed step is never saved); or the model's weights
+        are not finite to begin with.
     """
     log = log or (lambda s: print(s, flush=True))
     t_start = time.time()
     cfg = dataclasses.replace(config)
+    _validate(cfg)
     out = os.path.abspath(cfg.out) if cfg.out else None
 
     # -- 1. validate everything before touching the output directory ----------------
@@ -317,18 +461,31 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
             raise FinetuneError("--resume needs --out DIR (the directory of the run to continue)")
         if not os.path.isfile(os.path.join(out, "run.json")):
             raise FinetuneError(f"nothing to resume: {out} holds no fine-tuning run (run.json)")
-        with open(os.path.join(out, "run.json"), encoding="utf-8") as f:
-            saved = FinetuneConfig.from_dict(json.load(f)["config"])
-        keep = {k: getattr(cfg, k) for k in _RESUME_KEEP if getattr(cfg, k) is not None}
-        cfg = dataclasses.replace(saved, **keep, resume=True)
+        try:
+            with open(os.path.join(out, "run.json"), encoding="utf-8") as f:
+                saved_run = json.load(f)
+            saved_run["config"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise FinetuneError(f"cannot resume from {out}: its run.json is unreadable"
+                                f" ({type(e).__name__}: {e})") from None
+        if given is None:
+            defaults = FinetuneConfig()
+            given = {f.name for f in dataclasses.fields(FinetuneConfig)
+                     if getattr(cfg, f.name) != getattr(defaults, f.name)}
+        cfg = _resume_config(cfg, out, saved_run, set(given))
+        _validate(cfg)
         resume_state = _read_state(out)
+        reached = int(resume_state[0]["step"])
+        if cfg.steps < reached:
+            raise FinetuneError(f"--steps {cfg.steps} is below the step the run in {out} has"
+                                f" reached ({reached}); its weights cannot go back: pass --steps"
+                                f" >= {reached}, or none (the run's own, {saved_run['config'].get('steps')})")
+        if cfg.data and saved_run.get("data_sha256") not in (None, _file_sha256(cfg.data)):
+            raise FinetuneError(f"cannot resume {out}: {cfg.data} changed since the run started"
+                                f" (its SHA-256 differs from the one in run.json)")
     elif out and os.path.exists(out) and os.listdir(out):
         raise FinetuneError(f"{out} already exists and is not empty; pass --resume to continue"
                             f" the run in it, or choose another --out")
-    if cfg.steps is None:
-        cfg.steps = FinetuneConfig.steps
-    if cfg.steps < 0 or cfg.batch_size < 1:
-        raise FinetuneError("--steps must be >= 0 and --batch-size >= 1")
     tx = make_optimizer(cfg.optimizer, cfg.lr)
 
     if cfg.resume:
@@ -352,6 +509,18 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         scheme = llama_scheme(cfg.scheme, model.config, blocks=cfg.blocks)
     graphdef, params = llama.split(model)
     description = scheme.describe(params)  # raises UnmatchedPatternError on a mismatch
+    if description.trainable == 0:
+        raise SchemeError(f"the scheme {scheme.name or cfg.scheme} freezes every parameter of the"
+                          f" model: fine-tuning would train nothing; give some parameters a 'full'"
+                          f" or channels(...) rule")
+    flat_params = llama.flatten_params(params)
+    bad = first_non_finite(weights=flat_params)
+    if bad:
+        raise NonFiniteError(f"the model {out if cfg.resume else cfg.model} holds non-finite"
+                             f" weights ({bad}); fine-tuning cannot start from it")
+    rules = scheme.resolve(list(flat_params), [np.shape(x) for x in flat_params.values()])
+    trained_paths = [p for p, r in zip(flat_params, rules) if not isinstance(r, Frozen)]
+    full_paths = [p for p, r in zip(flat_params, rules) if isinstance(r, Full)]
     answers = [len(tokenizer.encode(ex.answer, add_bos=False)) for ex in held]
     max_new = cfg.eval_max_new_tokens or (max(answers, default=0) + 8)
     prompt_len = max((len(tokenizer.apply_chat_template(ex.messages())) for ex in held), default=0)
@@ -373,11 +542,23 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         rng = np.asarray(trainer["rng"], np.uint32)
         with open(os.path.join(out, "metrics.json"), encoding="utf-8") as f:
             metrics = json.load(f)
+        if metrics.get("step", start) != start or len(metrics.get("losses", ())) != start:
+            raise FinetuneError(f"cannot resume from {out}: its metrics (step {metrics.get('step')},"
+                                f" {len(metrics.get('losses', ()))} losses) disagree with its"
+                                f" training state (step {start})")
+        bad = first_non_finite(opt_state=opt_state.leaves)
+        if bad:
+            raise NonFiniteError(f"cannot resume from {out}: its optimizer state is not finite ({bad})")
     else:
         opt_state = pockjax.init_opt_state(tx, params, scheme)
         start = 0
         rng = np.asarray(jax.random.key_data(jax.random.key(cfg.seed)), np.uint32)
         metrics = {"losses": [], "accuracy_before": None}
+    # The size of the fully trained weights at the start of the run (kept across resumes).
+    if metrics.get("trained_weight_norm_start") is None:
+        metrics["trained_weight_norm_start"] = _host_norm(flat_params, full_paths)
+    norm_start = metrics["trained_weight_norm_start"]
+    health_limit = (WEIGHT_GROWTH_LIMIT * norm_start) ** 2 if norm_start > 0 else math.inf
 
     trainable, total = description.trainable, description.total
     source = out if cfg.resume else cfg.model
@@ -404,26 +585,62 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     # -- 3. the train step ---------------------------------------------------------------
     window = batcher.answer_window
 
-    step_fn = pockjax.compile(answer_train_step(graphdef, tx, window), scheme=scheme,
-                              xla_options=ANSWER_STEP_XLA_OPTIONS)
+    # The step also returns a health scalar: the squared norm of the fully
+    # trained weights, not finite if the loss or one of them is not.
+    step_fn = pockjax.compile(answer_train_step(graphdef, tx, window, health=scheme),
+                              scheme=scheme, xla_options=ANSWER_STEP_XLA_OPTIONS)
 
     def batch_at(i):
         return {k: jnp.asarray(v) for k, v in batcher.batch(i).items()}
 
     t = time.time()
     if start < cfg.steps:
-        step_fn.lower(params, opt_state, batch_at(start))
+        step_fn.lower(params, opt_state, batch_at(start)).compile()
     compile_s = time.time() - t
     if start < cfg.steps:
         log(f"compiled the sparse train step in {compile_s:.1f} s")
 
-    run = {"config": cfg.to_dict(), "scheme": scheme.to_dict()}
+    run = {"config": cfg.to_dict(), "scheme": scheme.to_dict(),
+           "effective": {"lr": cfg.lr or DEFAULT_LR[cfg.optimizer], "seq_len": batcher.seq_len,
+                         "answer_window": window, "trainable_params": description.trainable}}
+    if cfg.data:
+        run["data_sha256"] = _file_sha256(cfg.data)
+    last_saved = [start if cfg.resume else None]
+
+    def diverged(step, loss, health, new_params, new_opt_state):
+        """The NonFiniteError of a step whose result is unusable (read on the host)."""
+        kept = (f"{out} keeps the checkpoint of step {last_saved[0]}" if out and last_saved[0]
+                is not None else "nothing was saved")
+        hint = (f"start a new run with a lower --lr (this one: {cfg.lr or DEFAULT_LR[cfg.optimizer]:g})"
+                f"{' or check the data' if cfg.data else ''}")
+        flat_new = llama.flatten_params(new_params)
+        bad = first_non_finite(params={p: flat_new[p] for p in trained_paths},
+                               opt_state=new_opt_state.leaves)
+        if bad or not math.isfinite(loss):
+            what = " and ".join(([f"the loss is {loss}"] if not math.isfinite(loss) else [])
+                                + ([f"{bad} is not finite"] if bad else []))
+        else:
+            peak, where = _host_peak(flat_new, full_paths)
+            what = (f"the norm of the trained weights reached {math.sqrt(health):.3g}, over"
+                    f" {WEIGHT_GROWTH_LIMIT:g} times its value at the start ({norm_start:.3g};"
+                    f" largest weight {peak:.3g}, in {where}): the updates diverge")
+        return NonFiniteError(f"training stopped at step {step}: {what}; this step was not saved"
+                              f" and {kept}; {hint}")
 
     def save(step):
+        # Nothing non-finite is ever written (channel-ruled tensors are not in
+        # the step's health scalar: they are checked here).
+        flat_now = llama.flatten_params(params)
+        bad = first_non_finite(params={p: flat_now[p] for p in trained_paths},
+                               opt_state=opt_state.leaves)
+        if bad:
+            raise NonFiniteError(f"not saving step {step}: {bad} is not finite; {out} keeps the"
+                                 f" checkpoint of step {last_saved[0]}")
         metrics["step"] = step
         write_output(out, model=llama.merge(graphdef, params), tokenizer=tokenizer,
                      scheme=scheme, metrics=metrics, run=run, opt_state=opt_state,
                      step=step, rng=rng)
+        last_saved[0] = step
 
     tokens_per_step = cfg.batch_size * batcher.seq_len
     step_times: list[float] = []
@@ -435,13 +652,14 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     try:
         for i in range(start, cfg.steps):
             t = time.time()
-            params, opt_state, loss = step_fn(params, opt_state, batch_at(i))
-            loss = float(loss)
+            new_params, new_opt_state, loss, health = step_fn(params, opt_state, batch_at(i))
+            loss, health = float(loss), float(health)
+            if not (math.isfinite(loss) and math.isfinite(health)) or health > health_limit:
+                raise diverged(i + 1, loss, health, new_params, new_opt_state)
+            params, opt_state = new_params, new_opt_state
             dt = time.time() - t
             step_times.append(dt)
             metrics["losses"].append(round(loss, 5))
-            if not math.isfinite(loss):
-                raise FinetuneError(f"the loss became {loss} at step {i}; lower --lr")
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:.0f}",
                             rss=_gb(rss_bytes()), refresh=False)
             bar.update(1)

@@ -21,7 +21,8 @@ from typing import Callable
 from pockjax import _compat as C
 from pockjax._src import jaxpr as J
 from pockjax.errors import UnsupportedPrimitiveError
-from pockjax.graph import TrainGraph
+from pockjax.graph import PassRecord, TrainGraph
+from pockjax.transforms.base import Pass
 
 DceRule = Callable[[list, C.JaxprEqn], tuple]
 DCE_RULES: dict[C.Primitive, DceRule] = J.PrimitiveTable()
@@ -83,8 +84,14 @@ def dce_jaxpr(jaxpr: C.Jaxpr, used_outputs: list[bool] | None = None) -> tuple[C
     return jaxpr.replace(eqns=new_eqns), used_inputs
 
 
-def dce(graph: TrainGraph) -> TrainGraph:
-    """Remove every equation whose result no output needs (a pass).
+def _dce_graph(graph: TrainGraph) -> TrainGraph:
+    new_jaxpr, _ = dce_jaxpr(graph.jaxpr)
+    C.check_jaxpr(new_jaxpr)
+    return graph.recorded(PassRecord("dce"), closed_jaxpr=C.ClosedJaxpr(new_jaxpr, graph.closed_jaxpr.consts))
+
+
+def dce() -> Pass:
+    """The pass that removes every equation whose result no output needs.
 
     Inputs are kept, so the step's signature does not change.
 
@@ -94,11 +101,7 @@ def dce(graph: TrainGraph) -> TrainGraph:
         ...     unused = jnp.sin(x) * 2.0
         ...     return params, opt_state, x.sum()
         >>> g = pockjax.trace_step(step, ({"w": jnp.ones(3)}, (), jnp.ones(3)))
-        >>> len(g.jaxpr.eqns), len(pockjax.dce(g).jaxpr.eqns)
+        >>> len(g.jaxpr.eqns), len(pockjax.dce()(g).jaxpr.eqns)
         (3, 1)
     """
-    new_jaxpr, _ = dce_jaxpr(graph.jaxpr)
-    C.check_jaxpr(new_jaxpr)
-    meta = dict(graph.meta)
-    meta["passes"] = list(meta.get("passes", [])) + ["dce"]
-    return graph.replace(closed_jaxpr=C.ClosedJaxpr(new_jaxpr, graph.closed_jaxpr.consts), meta=meta)
+    return Pass("dce", _dce_graph)

@@ -38,7 +38,7 @@ and inserts no barrier. The memory consequence is that all gradients of the
 coupled parameters are live together at the end of the backward pass, exactly
 as without the pass (one full gradient copy of the trained weights: for
 LLaMA-2-7B in bf16, 12.6 GiB). The parameters that are coupled are listed in
-``graph.meta["inplace_update"]["coupled"]``. (A two-pass scheme, running the
+``graph.record(InplaceUpdateRecord).coupled``. (A two-pass scheme, running the
 backward pass once for the norm and again for the updates, would trade one extra
 backward pass for that memory; it is not implemented.)
 
@@ -48,22 +48,38 @@ so the new values are written into the old buffers.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from pockjax import _compat as C
 from pockjax import tags
-from pockjax.graph import TrainGraph
 from pockjax._src import jaxpr as _interp
+from pockjax._src.jaxpr import Phase
+from pockjax.graph import PassRecord, TrainGraph
+from pockjax.transforms.base import Pass
 
-__all__ = ["inplace_update", "update_schedule"]
+__all__ = ["InplaceUpdateRecord", "inplace_update", "update_schedule"]
 
 
 _is_var = _interp.is_var
 
 
-def _phase_is_forward(eqn) -> bool:
-    ns = str(getattr(eqn.source_info, "name_stack", ""))
-    return "transpose(" not in ns and "jvp(" in ns
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InplaceUpdateRecord(PassRecord):
+    """What :func:`inplace_update` did.
+
+    Attributes:
+      groups: update groups released during the backward pass.
+      barriers: ``optimization_barrier`` equations inserted to pin the order.
+      coupled: paths of the parameters whose update reads more than one
+        gradient (global-norm clipping): their updates could not move earlier.
+    """
+
+    name: str = "inplace_update"
+    groups: int
+    barriers: int
+    coupled: tuple[str, ...]
 
 
 def update_schedule(jaxpr: C.Jaxpr) -> dict:
@@ -180,13 +196,13 @@ def update_schedule(jaxpr: C.Jaxpr) -> dict:
     }
 
 
-def inplace_update(*, barrier: bool = True):
+def inplace_update(*, barrier: bool = True) -> Pass:
     """A pass: run each parameter's optimizer update right after its gradient.
 
     See the module docstring for the order, the barriers, and how optimizers that
     couple gradients (global-norm clipping) are handled. Run it after
     ``sparse_grad``/``dce`` and before ``strip_tags`` (it needs the gradient tags):
-    ``passes=pockjax.chain(sparse_grad(scheme), dce, inplace_update())``.
+    ``passes=pockjax.chain(sparse_grad(scheme), dce(), inplace_update())``.
 
     Args:
       barrier: pin the order on the backend with ``optimization_barrier`` (default).
@@ -194,10 +210,10 @@ def inplace_update(*, barrier: bool = True):
         ignore.
 
     Returns:
-      A ``TrainGraph -> TrainGraph`` pass. It records in
-      ``graph.meta["inplace_update"]``: ``groups`` (update groups released
-      during the backward pass), ``barriers`` (barriers inserted), ``coupled``
-      (paths of parameters whose update reads more than one gradient).
+      A :class:`~pockjax.Pass`. It records an :class:`InplaceUpdateRecord`:
+      ``groups`` (update groups released during the backward pass),
+      ``barriers`` (barriers inserted), ``coupled`` (paths of parameters
+      whose update reads more than one gradient).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, pockjax
@@ -209,19 +225,16 @@ def inplace_update(*, barrier: bool = True):
       ...     return optax.apply_updates(p, u), s, loss
       >>> p = {"a": jnp.ones((4, 4)), "b": jnp.ones((4, 2))}
       >>> g = inplace_update()(pockjax.trace_step(step, (p, tx.init(p), jnp.ones((2, 4)))))
-      >>> g.meta["inplace_update"]["barriers"], g.meta["inplace_update"]["coupled"]
-      (1, [])
+      >>> g.record(pockjax.transforms.InplaceUpdateRecord)
+      InplaceUpdateRecord(name='inplace_update', groups=2, barriers=1, coupled=())
     """
 
     def inplace_update_pass(graph: TrainGraph) -> TrainGraph:
         jaxpr = graph.jaxpr
         sched = update_schedule(jaxpr)
         eqns = jaxpr.eqns
-        meta = dict(graph.meta)
-        meta["passes"] = list(meta.get("passes", [])) + ["inplace_update"]
         if not sched["cuts"]:
-            meta["inplace_update"] = {"groups": 0, "barriers": 0, "coupled": []}
-            return graph.replace(meta=meta)
+            return graph.recorded(InplaceUpdateRecord(groups=0, barriers=0, coupled=()))
 
         # coupled parameters: state outputs whose value reads more than one gradient
         producer = _interp.producers(eqns)
@@ -261,7 +274,7 @@ def inplace_update(*, barrier: bool = True):
                 cross = [
                     v
                     for v, k in b_defined
-                    if k <= cut and last_b_read.get(v, -1) > cut and not _phase_is_forward(eqns[producer[v]])
+                    if k <= cut and last_b_read.get(v, -1) > cut and _interp.phase(eqns[producer[v]]) is not Phase.FORWARD
                 ]
                 if not cross:  # no name stacks: carry every crossing value
                     cross = [v for v, k in b_defined if k <= cut and last_b_read.get(v, -1) > cut]
@@ -291,12 +304,11 @@ def inplace_update(*, barrier: bool = True):
 
         avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in jaxpr.invars]
         closed = jax.make_jaxpr(fun)(*avals)
-        meta["inplace_update"] = {
-            "groups": sum(1 for c in sched["cuts"] if c < last_b_pos),
-            "barriers": len(barriers),
-            "coupled": coupled,
-        }
-        return graph.replace(closed_jaxpr=closed, meta=meta)
+        record = InplaceUpdateRecord(
+            groups=sum(1 for c in sched["cuts"] if c < last_b_pos),
+            barriers=len(barriers),
+            coupled=tuple(coupled),
+        )
+        return graph.recorded(record, closed_jaxpr=closed)
 
-    inplace_update_pass.__name__ = "inplace_update"
-    return inplace_update_pass
+    return Pass("inplace_update", inplace_update_pass)

@@ -24,24 +24,48 @@ down, so the pass never makes the planner's peak worse:
    merges the recomputation with the original (CSE) nor hoists it into the
    forward pass.
 
-The pass records what it did in ``graph.meta["reorder_for_memory"]``: the
+The pass records what it did in a :class:`ReorderForMemoryRecord`: the
 planner's peak before and after each step, how many values were recomputed, and
 the FLOPs added.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import numpy as np
 
 from pockjax import _compat as C
-from pockjax.graph import TrainGraph
 from pockjax._src import jaxpr as _interp
-from pockjax._src.jaxpr import prims
+from pockjax._src.jaxpr import Phase, prims
+from pockjax.graph import PassRecord, TrainGraph
+from pockjax.transforms.base import Pass
 
-__all__ = ["reorder_for_memory"]
+__all__ = ["ReorderForMemoryRecord", "reorder_for_memory"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReorderForMemoryRecord(PassRecord):
+    """What :func:`reorder_for_memory` did (peaks are the planner's, in bytes).
+
+    Attributes:
+      peak_before: the peak of the graph the pass was given.
+      peak_reordered: the peak after the reorder step (``peak_before`` if not kept).
+      peak_after: the peak of the graph the pass returned.
+      reordered: whether the new equation order was kept.
+      rematerialized: how many saved activations are recomputed.
+      remat_flops: the FLOPs the recomputation adds.
+    """
+
+    name: str = "reorder_for_memory"
+    peak_before: int
+    peak_reordered: int
+    peak_after: int
+    reordered: bool
+    rematerialized: int
+    remat_flops: float
 
 _STATE_ROLES = ("param", "opt_state", "model_state")
 
@@ -64,15 +88,6 @@ def _nbytes(aval: Any) -> int:
 
 
 _is_var = _interp.is_var
-
-
-def _phase(eqn) -> str:
-    ns = str(getattr(eqn.source_info, "name_stack", ""))
-    if "transpose(" in ns:
-        return "backward"
-    if "jvp(" in ns:
-        return "forward"
-    return "other"
 
 
 def _peak(graph: TrainGraph, fusion: str) -> int:
@@ -105,7 +120,7 @@ def _plan_remat(jaxpr, budget: float, max_depth: int, transcendental_cost: float
                 readers.setdefault(v, []).append(i)
     last_use = {v: max(rs) for v, rs in readers.items()}
     outvars = {v for v in jaxpr.outvars if _is_var(v)}
-    phases = [_phase(e) for e in eqns]
+    phases = [_interp.phase(e) for e in eqns]
 
     def flops(i: int) -> float:
         e = eqns[i]
@@ -145,16 +160,16 @@ def _plan_remat(jaxpr, budget: float, max_depth: int, transcendental_cost: float
 
     candidates = []
     for v, i in producer.items():
-        if phases[i] != "forward" or v in outvars:
+        if phases[i] is not Phase.FORWARD or v in outvars:
             continue
         size = _nbytes(v.aval)
         if size < min_bytes:
             continue
-        back = [r for r in readers.get(v, ()) if phases[r] == "backward"]
+        back = [r for r in readers.get(v, ()) if phases[r] is Phase.BACKWARD]
         if not back:
             continue
         at = min(back)
-        if any(r >= at and phases[r] != "backward" for r in readers[v]):
+        if any(r >= at and phases[r] is not Phase.BACKWARD for r in readers[v]):
             continue
         chain = chain_for(v, at, 1, size)
         if chain is None:
@@ -206,7 +221,7 @@ def _apply_remat(graph: TrainGraph, chosen: dict) -> TrainGraph:
                             ext.append(u)
                 anchor = next(
                     (u for u in e.invars if _is_var(u) and u not in chosen and producer.get(u) is not None
-                     and _phase(eqns[producer[u]]) == "backward"),
+                     and _interp.phase(eqns[producer[u]]) is Phase.BACKWARD),
                     None,
                 )
                 vals = [read(u) for u in ext] + ([read(anchor)] if anchor is not None else [])
@@ -243,7 +258,7 @@ def reorder_for_memory(
     max_depth: int = 2,
     transcendental_cost: float = 8.0,
     min_bytes: int = 64 * 1024,
-):
+) -> Pass:
     """A pass: a topological reorder (and optional recomputation) that lowers the peak.
 
     Args:
@@ -257,7 +272,7 @@ def reorder_for_memory(
       min_bytes: smallest activation considered for recomputation.
 
     Returns:
-      A ``TrainGraph -> TrainGraph`` pass; ``graph.meta["reorder_for_memory"]`` has
+      A :class:`~pockjax.Pass` that records a :class:`ReorderForMemoryRecord`:
       ``peak_before``, ``peak_reordered``, ``peak_after`` (planner bytes),
       ``reordered`` (whether the new order was kept), ``rematerialized`` (values
       recomputed) and ``remat_flops``.
@@ -269,8 +284,8 @@ def reorder_for_memory(
       ...     a = jnp.broadcast_to(x, (64, 256)) @ p; b = jnp.broadcast_to(x * 2.0, (64, 256)) @ p
       ...     return p, s, a.sum() + b.sum()
       >>> g = pockjax.trace_step(step, (jnp.ones((256, 256)), (), jnp.ones(256)))
-      >>> m = reorder_for_memory()(g).meta["reorder_for_memory"]
-      >>> m["peak_after"] <= m["peak_before"]
+      >>> m = reorder_for_memory()(g).record(pockjax.transforms.ReorderForMemoryRecord)
+      >>> m.peak_after <= m.peak_before
       True
     """
     budget = float(remat_budget or 0.0)
@@ -297,17 +312,14 @@ def reorder_for_memory(
                 p = _peak(candidate, fusion)
                 if p < peak:
                     current, peak, n_remat, flops = candidate, p, len(chosen), spent
-        meta = dict(graph.meta)
-        meta["passes"] = list(meta.get("passes", [])) + ["reorder_for_memory"]
-        meta["reorder_for_memory"] = {
-            "peak_before": before,
-            "peak_reordered": peak_reordered,
-            "peak_after": peak,
-            "reordered": reordered,
-            "rematerialized": n_remat,
-            "remat_flops": flops,
-        }
-        return current.replace(meta=meta)
+        record = ReorderForMemoryRecord(
+            peak_before=before,
+            peak_reordered=peak_reordered,
+            peak_after=peak,
+            reordered=reordered,
+            rematerialized=n_remat,
+            remat_flops=flops,
+        )
+        return current.recorded(record)
 
-    reorder_for_memory_pass.__name__ = "reorder_for_memory"
-    return reorder_for_memory_pass
+    return Pass("reorder_for_memory", reorder_for_memory_pass)

@@ -34,11 +34,12 @@ import numpy as np
 from pockjax import _compat as C
 from pockjax import tags
 from pockjax.errors import PockjaxError, SchemeError
-from pockjax.graph import MODEL_STATE, OPT_STATE, PARAM, TrainGraph
+from pockjax.graph import MODEL_STATE, OPT_STATE, PARAM, PassRecord, TrainGraph
 from pockjax.scheme import ChannelSelect, Frozen, Full, UpdateScheme
 from pockjax._src import jaxpr as _interp
 from pockjax._src.jaxpr import PrimitiveTable, prims
 from pockjax.transforms import slicing
+from pockjax.transforms.base import Pass
 from pockjax.transforms.slicing import PUSH_RULES
 
 
@@ -108,7 +109,7 @@ def _materialize(x):
     return x.materialize() if isinstance(x, ZeroValue) else x
 
 
-# -- the pass ---------------------------------------------------------------
+# -- resolving the scheme ---------------------------------------------------------
 RuleOf = Any  # Full | Frozen | ChannelSelect
 
 
@@ -120,7 +121,7 @@ def resolve_rules(graph: TrainGraph, scheme: UpdateScheme, *, allow_nothing_trai
     ``allow_nothing_trained``) when the scheme freezes every parameter.
     """
     idx = graph.inputs_with_role(PARAM)
-    step = graph.meta.get("step_name", "the step")
+    step = graph.step_name
     if not idx:
         raise SchemeError(
             f"{step} differentiates none of its parameters: pockjax found no gradient of any leaf of "
@@ -263,61 +264,67 @@ def _plan(eqns, req: _Requests, rules: dict, param_shapes: dict) -> list:
     """
     modes = [None] * len(eqns)
     for k in range(len(eqns) - 1, -1, -1):
-        eqn = eqns[k]
-        outs = [req.of(v) if not isinstance(v, C.DropVar) else "dead" for v in eqn.outvars]
-        if all(d == "dead" for d in outs) and not eqn.effects:
-            modes[k] = ("dead",)
-            continue
-        if eqn.primitive is tags.grad_tag_p:
-            rule = rules.get(eqn.params["index"], Full())
-            if tuple(eqn.invars[0].aval.shape) != param_shapes.get(eqn.params["index"]):
-                rule = Full()  # already sliced by an earlier sparse_grad: leave as is
-            if isinstance(rule, Frozen):
-                modes[k] = ("zero",)
-                continue
-            if isinstance(rule, ChannelSelect):
-                modes[k] = ("grad_select", rule, outs[0])
-                req.add(eqn.invars[0], rule)
-                continue
-            modes[k] = ("identity", outs[0])
-            req.add(eqn.invars[0], outs[0] if outs[0] != "dead" else None)
-            continue
-        if _is_exact_update(eqn, outs[0]):
-            # the selected channels of dynamic_update_slice(x, update) are `update`
-            modes[k] = ("forward_update",)
-            req.add(eqn.invars[1], None)
-            continue
-        first_iterations = _scan_first_iterations(eqn, outs)
-        if first_iterations is not None:
-            forms, params, out_forms = first_iterations
-            modes[k] = ("scan_first", forms, params, out_forms)
+        modes[k] = _plan_eqn(eqns[k], req, rules, param_shapes)
+    return modes
+
+
+def _plan_eqn(eqn, req: _Requests, rules: dict, param_shapes: dict) -> tuple:
+    """The mode of one equation (see :func:`_plan`); requests its operands' forms."""
+    outs = [req.of(v) if not isinstance(v, C.DropVar) else "dead" for v in eqn.outvars]
+    if all(d == "dead" for d in outs) and not eqn.effects:
+        return ("dead",)
+    if eqn.primitive is tags.grad_tag_p:
+        return _plan_grad_tag(eqn, outs[0], req, rules, param_shapes)
+    if _is_exact_update(eqn, outs[0]):
+        # the selected channels of dynamic_update_slice(x, update) are `update`
+        req.add(eqn.invars[1], None)
+        return ("forward_update",)
+    first_iterations = _scan_first_iterations(eqn, outs)
+    if first_iterations is not None:
+        forms, params, out_forms = first_iterations
+        for v, f in zip(eqn.invars, forms):
+            req.add(v, f)
+        return ("scan_first", forms, params, out_forms)
+    if eqn.primitive is C.primitives.remat_p and any(isinstance(d, ChannelSelect) for d in outs):
+        return _plan_remat_body(eqn, outs, req, rules, param_shapes)
+    if len(outs) == 1 and isinstance(outs[0], ChannelSelect) and eqn.primitive in PUSH_RULES:
+        pushed = PUSH_RULES[eqn.primitive](eqn, outs[0])
+        if pushed is not None:
+            forms, params = pushed
             for v, f in zip(eqn.invars, forms):
                 req.add(v, f)
-            continue
-        if eqn.primitive is C.primitives.remat_p and any(isinstance(d, ChannelSelect) for d in outs):
-            # jax.checkpoint: the backward (weight gradients included) sits in the
-            # remat body; plan the body with its outputs' demands
-            body = eqn.params["jaxpr"]
-            inner = _Requests()
-            for v, d in zip(body.outvars, outs):
-                if d != "dead":
-                    inner.add(v, d)
-            modes[k] = ("call_body", inner, _plan(body.eqns, inner, rules, param_shapes), outs)
-            for v in eqn.invars:
-                req.add(v, None)
-            continue
-        if len(outs) == 1 and isinstance(outs[0], ChannelSelect) and eqn.primitive in PUSH_RULES:
-            pushed = PUSH_RULES[eqn.primitive](eqn, outs[0])
-            if pushed is not None:
-                forms, params = pushed
-                modes[k] = ("sliced", forms, params, outs[0])
-                for v, f in zip(eqn.invars, forms):
-                    req.add(v, f)
-                continue
-        modes[k] = ("full",)
-        for v in eqn.invars:
-            req.add(v, None)
-    return modes
+            return ("sliced", forms, params, outs[0])
+    for v in eqn.invars:
+        req.add(v, None)
+    return ("full",)
+
+
+def _plan_grad_tag(eqn, out_demand, req: _Requests, rules: dict, param_shapes: dict) -> tuple:
+    """A gradient tag: zero (frozen), the selected channels, or the gradient as is."""
+    rule = rules.get(eqn.params["index"], Full())
+    if tuple(eqn.invars[0].aval.shape) != param_shapes.get(eqn.params["index"]):
+        rule = Full()  # already sliced by an earlier sparse_grad: leave as is
+    if isinstance(rule, Frozen):
+        return ("zero",)
+    if isinstance(rule, ChannelSelect):
+        req.add(eqn.invars[0], rule)
+        return ("grad_select", rule, out_demand)
+    req.add(eqn.invars[0], out_demand if out_demand != "dead" else None)
+    return ("identity", out_demand)
+
+
+def _plan_remat_body(eqn, outs, req: _Requests, rules: dict, param_shapes: dict) -> tuple:
+    """``jax.checkpoint``: the backward (weight gradients included) sits in the
+    remat body; plan the body with its outputs' demands."""
+    body = eqn.params["jaxpr"]
+    inner = _Requests()
+    for v, d in zip(body.outvars, outs):
+        if d != "dead":
+            inner.add(v, d)
+    modes = _plan(body.eqns, inner, rules, param_shapes)
+    for v in eqn.invars:
+        req.add(v, None)
+    return ("call_body", inner, modes, outs)
 
 
 def _check_sparse_state_use(graph: TrainGraph, req: _Requests, in_form: dict, dropped_inputs: set) -> None:
@@ -359,72 +366,83 @@ def _write(env: dict, v, form, x) -> None:
 def _evaluate(eqns, modes, env: dict, req: _Requests, nested) -> None:
     """Run ``eqns`` on tracers in ``env``, each computing its planned form."""
     for eqn, mode in zip(eqns, modes):
-        kind = mode[0]
-        if kind == "dead":
-            continue
-        if kind == "zero":
-            _write(env, eqn.outvars[0], None, _zero_like_out(eqn)[0])
-        elif kind == "grad_select":
-            sel, out_demand = mode[1], mode[2]
-            part = _read(env, eqn.invars[0], sel)
-            if not isinstance(part, ZeroValue):  # keep the gradient findable
-                part = tags.grad_tag_p.bind(part, **eqn.params)
-            if out_demand == sel:
-                _write(env, eqn.outvars[0], sel, part)
-            elif isinstance(part, ZeroValue):
-                _write(env, eqn.outvars[0], None, ZeroValue(tuple(eqn.outvars[0].aval.shape), part.dtype))
-            else:
-                _write(env, eqn.outvars[0], None, slicing.pad(sel, part, eqn.outvars[0].aval.shape))
-        elif kind == "forward_update":
-            _write(env, eqn.outvars[0], req.of(eqn.outvars[0]), _read(env, eqn.invars[1], None))
-        elif kind == "identity":
-            form = mode[1] if mode[1] != "dead" else None
-            value = _read(env, eqn.invars[0], form)
-            if not isinstance(value, ZeroValue):
-                value = tags.grad_tag_p.bind(value, **eqn.params)
-            _write(env, eqn.outvars[0], form, value)
-        elif kind == "scan_first":
-            forms, params, out_forms = mode[1], mode[2], mode[3]
-            invals = [_materialize(_read(env, v, f)) for v, f in zip(eqn.invars, forms)]
-            if _interp.contains(params["jaxpr"], _is_tag):
-                params = dict(params, jaxpr=_interp.retrace(params["jaxpr"], nested))
-            outs = _interp.bind_eqn(eqn, invals, params)
-            for v, f, x in zip(eqn.outvars, out_forms, outs):
-                if f != "dead":
-                    _write(env, v, f, x)
-        elif kind == "call_body":
-            _evaluate_call_body(eqn, mode, env, nested)
-        elif kind == "sliced":
-            forms, params, sel = mode[1], mode[2], mode[3]
-            invals = [_read(env, v, f) for v, f in zip(eqn.invars, forms)]
-            zrule = ZERO_RULES.get(eqn.primitive)
-            outs = zrule(eqn, invals) if zrule and any(isinstance(x, ZeroValue) for x in invals) else None
-            if outs is not None and isinstance(outs[0], ZeroValue):
-                outs = [ZeroValue(slicing.sliced_shape(sel, outs[0].shape), outs[0].dtype)]
-            if outs is None and eqn.primitive in _FORWARD_TAGS:
-                outs = [invals[0]]
-            if outs is None:
-                outs = _interp.bind_eqn(eqn, [_materialize(x) for x in invals], params)
-            _write(env, eqn.outvars[0], sel, outs[0])
-        else:
-            invals = [_read(env, v, None) for v in eqn.invars]
-            outs = None
-            if any(isinstance(x, ZeroValue) for x in invals):
-                zrule = ZERO_RULES.get(eqn.primitive)
-                outs = zrule(eqn, invals) if zrule else None
-                if outs is None:
-                    invals = [_materialize(x) for x in invals]
-            if outs is None and eqn.primitive in _FORWARD_TAGS:
-                outs = [invals[0]]
-            if outs is None:
-                outs = nested(eqn, invals)
-            if outs is None:
-                outs = _interp.bind_eqn(eqn, invals)
-            for v, x in zip(eqn.outvars, outs):
-                _write(env, v, None, x)
+        if mode[0] != "dead":
+            _EVALUATE[mode[0]](eqn, mode, env, req, nested)
 
 
-def _evaluate_call_body(eqn, mode, env: dict, nested) -> None:
+def _eval_zero(eqn, mode, env, req, nested) -> None:
+    _write(env, eqn.outvars[0], None, _zero_like_out(eqn)[0])
+
+
+def _eval_grad_select(eqn, mode, env, req, nested) -> None:
+    sel, out_demand = mode[1], mode[2]
+    part = _read(env, eqn.invars[0], sel)
+    if not isinstance(part, ZeroValue):  # keep the gradient findable
+        part = tags.grad_tag_p.bind(part, **eqn.params)
+    if out_demand == sel:
+        _write(env, eqn.outvars[0], sel, part)
+    elif isinstance(part, ZeroValue):
+        _write(env, eqn.outvars[0], None, ZeroValue(tuple(eqn.outvars[0].aval.shape), part.dtype))
+    else:
+        _write(env, eqn.outvars[0], None, slicing.pad(sel, part, eqn.outvars[0].aval.shape))
+
+
+def _eval_forward_update(eqn, mode, env, req, nested) -> None:
+    _write(env, eqn.outvars[0], req.of(eqn.outvars[0]), _read(env, eqn.invars[1], None))
+
+
+def _eval_identity(eqn, mode, env, req, nested) -> None:
+    form = mode[1] if mode[1] != "dead" else None
+    value = _read(env, eqn.invars[0], form)
+    if not isinstance(value, ZeroValue):
+        value = tags.grad_tag_p.bind(value, **eqn.params)
+    _write(env, eqn.outvars[0], form, value)
+
+
+def _eval_scan_first(eqn, mode, env, req, nested) -> None:
+    forms, params, out_forms = mode[1], mode[2], mode[3]
+    invals = [_materialize(_read(env, v, f)) for v, f in zip(eqn.invars, forms)]
+    if _interp.contains(params["jaxpr"], _is_tag):
+        params = dict(params, jaxpr=_interp.retrace(params["jaxpr"], nested))
+    outs = _interp.bind_eqn(eqn, invals, params)
+    for v, f, x in zip(eqn.outvars, out_forms, outs):
+        if f != "dead":
+            _write(env, v, f, x)
+
+
+def _eval_sliced(eqn, mode, env, req, nested) -> None:
+    forms, params, sel = mode[1], mode[2], mode[3]
+    invals = [_read(env, v, f) for v, f in zip(eqn.invars, forms)]
+    zrule = ZERO_RULES.get(eqn.primitive)
+    outs = zrule(eqn, invals) if zrule and any(isinstance(x, ZeroValue) for x in invals) else None
+    if outs is not None and isinstance(outs[0], ZeroValue):
+        outs = [ZeroValue(slicing.sliced_shape(sel, outs[0].shape), outs[0].dtype)]
+    if outs is None and eqn.primitive in _FORWARD_TAGS:
+        outs = [invals[0]]
+    if outs is None:
+        outs = _interp.bind_eqn(eqn, [_materialize(x) for x in invals], params)
+    _write(env, eqn.outvars[0], sel, outs[0])
+
+
+def _eval_full(eqn, mode, env, req, nested) -> None:
+    invals = [_read(env, v, None) for v in eqn.invars]
+    outs = None
+    if any(isinstance(x, ZeroValue) for x in invals):
+        zrule = ZERO_RULES.get(eqn.primitive)
+        outs = zrule(eqn, invals) if zrule else None
+        if outs is None:
+            invals = [_materialize(x) for x in invals]
+    if outs is None and eqn.primitive in _FORWARD_TAGS:
+        outs = [invals[0]]
+    if outs is None:
+        outs = nested(eqn, invals)
+    if outs is None:
+        outs = _interp.bind_eqn(eqn, invals)
+    for v, x in zip(eqn.outvars, outs):
+        _write(env, v, None, x)
+
+
+def _eval_call_body(eqn, mode, env: dict, req, nested) -> None:
     """Re-bind a ``remat`` equation whose body computes its outputs in their demanded forms.
 
     Outputs nobody needs come out as zeros (``dce`` then prunes them inside
@@ -459,14 +477,52 @@ def _evaluate_call_body(eqn, mode, env: dict, nested) -> None:
             _write(env, v, form, x)
 
 
-def sparse_grad(scheme: UpdateScheme, *, sparse_opt_state: bool = False, allow_nothing_trained: bool = False):
-    """The sparse-update pass for ``scheme``: a function ``TrainGraph -> TrainGraph``.
+#: How each planned mode (see :func:`_plan`) is evaluated.
+_EVALUATE = {
+    "zero": _eval_zero,
+    "grad_select": _eval_grad_select,
+    "forward_update": _eval_forward_update,
+    "identity": _eval_identity,
+    "scan_first": _eval_scan_first,
+    "call_body": _eval_call_body,
+    "sliced": _eval_sliced,
+    "full": _eval_full,
+}
+
+
+# -- the pass ---------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SparseGradRecord(PassRecord):
+    """What :func:`sparse_grad` did.
+
+    Attributes:
+      scheme: the scheme applied.
+      rules: ``(path, rule)`` per parameter, in input order: the rule the path
+        resolved to (``Full()``, ``Frozen()`` or a ``ChannelSelect``);
+        ``dict(record.rules)`` looks one up.
+      sparse_opt_state: whether the optimizer state inputs hold only the
+        trainable entries (:func:`pockjax.init_opt_state`).
+    """
+
+    name: str = "sparse_grad"
+    scheme: UpdateScheme
+    rules: tuple[tuple[str, RuleOf], ...]
+    sparse_opt_state: bool
+
+
+def sparse_grad(scheme: UpdateScheme, *, sparse_opt_state: bool = False, allow_nothing_trained: bool = False) -> Pass:
+    """The sparse-update pass for ``scheme``.
 
     Args:
       scheme: which parameters / channels are trained.
       sparse_opt_state: the optimizer state inputs hold only trainable entries
         (frozen parameters' state dropped, channel-ruled state sliced), as made
         by :func:`pockjax.init_opt_state`.
+      allow_nothing_trained: accept a scheme that freezes every parameter
+        (otherwise a :class:`~pockjax.SchemeError`).
+
+    Returns:
+      A :class:`~pockjax.Pass` that records a :class:`SparseGradRecord`.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, pockjax
@@ -478,40 +534,71 @@ def sparse_grad(scheme: UpdateScheme, *, sparse_opt_state: bool = False, allow_n
         ...     return optax.apply_updates(params, updates), opt_state, loss
         >>> params = {"a": jnp.ones((3, 4)), "b": jnp.ones((4, 2))}
         >>> graph = pockjax.trace_step(step, (params, tx.init(params), jnp.ones((5, 3))))
-        >>> sparse = pockjax.dce(pockjax.sparse_grad(pockjax.UpdateScheme({"b": "full"}))(graph))
+        >>> prune = pockjax.chain(pockjax.sparse_grad(pockjax.UpdateScheme({"b": "full"})), pockjax.dce())
+        >>> sparse = prune(graph)
         >>> pockjax.count_primitives(graph)["dot_general"], pockjax.count_primitives(sparse)["dot_general"]
         (5, 3)
+        >>> dict(sparse.record(pockjax.transforms.SparseGradRecord).rules)
+        {'a': Frozen(), 'b': Full()}
     """
+    if not isinstance(scheme, UpdateScheme):
+        raise TypeError(
+            f"sparse_grad takes an UpdateScheme (pockjax.UpdateScheme({{pattern: rule}})); "
+            f"got {type(scheme).__name__}"
+        )
 
-    def apply(graph: TrainGraph) -> TrainGraph:
+    def rewrite(graph: TrainGraph) -> TrainGraph:
         return _sparse_grad(graph, scheme, sparse_opt_state, allow_nothing_trained)
 
-    apply.__name__ = "sparse_grad"
-    apply.scheme = scheme
-    return apply
+    return Pass("sparse_grad", rewrite)
 
 
 def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool,
                  allow_nothing_trained: bool = False) -> TrainGraph:
+    """The pass in named steps: rules, what each output becomes, demands, re-trace, bookkeeping."""
     rules = resolve_rules(graph, scheme, allow_nothing_trained=allow_nothing_trained)
-    jaxpr = graph.jaxpr
-    invars, outvars = jaxpr.invars, jaxpr.outvars
+    input_rules = _input_rules(graph, rules)
+    out_plan = _output_plan(graph, input_rules, sparse_opt_state)
+    in_form, dropped_inputs = _input_forms(graph, input_rules, sparse_opt_state)
 
-    def rule_of_input(i: int):
-        if graph.in_roles[i] == PARAM:
-            return rules[i]
-        if graph.in_roles[i] == OPT_STATE and graph.param_of[i] is not None:
-            return rules[graph.param_of[i]]
-        return Full()
+    req = _seed_demands(graph, out_plan, dropped_inputs)
+    param_shapes = {i: tuple(v.aval.shape) for i, v in enumerate(graph.jaxpr.invars)}
+    modes = _plan(graph.jaxpr.eqns, req, rules, param_shapes)
+    _check_sparse_state_use(graph, req, in_form, dropped_inputs)
 
-    # 1. What each output becomes.
-    #    ("keep", i): the old input i; ("select", i, sel): old input i with the
-    #    selected channels from the new value; ("part", sel): only the slice
-    #    (sparse optimizer state); ("whole",): the new value.
+    new_closed = _retrace(graph, out_plan, in_form, dropped_inputs, modes, req, _nested_rule(rules))
+    record = SparseGradRecord(
+        scheme=scheme,
+        rules=tuple((graph.in_paths[i], r) for i, r in rules.items()),
+        sparse_opt_state=sparse_opt_state,
+    )
+    return _drop_removed_state(graph, new_closed, out_plan, dropped_inputs).recorded(record)
+
+
+def _input_rules(graph: TrainGraph, rules: dict[int, RuleOf]) -> list[RuleOf]:
+    """Per input: a parameter's rule, the rule of the parameter an optimizer-state
+    leaf mirrors, else ``Full()`` (batch, model state, unmirrored state)."""
+    out = []
+    for i, role in enumerate(graph.in_roles):
+        if role == PARAM:
+            out.append(rules[i])
+        elif role == OPT_STATE and graph.param_of[i] is not None:
+            out.append(rules[graph.param_of[i]])
+        else:
+            out.append(Full())
+    return out
+
+
+def _output_plan(graph: TrainGraph, input_rules: list[RuleOf], sparse_opt_state: bool) -> list[tuple]:
+    """What each output becomes.
+
+    ``("keep", i)``: the old input ``i``; ``("select", i, sel)``: old input
+    ``i`` with the selected channels from the new value; ``("part", sel)``:
+    only the slice (sparse optimizer state); ``("whole",)``: the new value.
+    """
     out_plan = []
-    for o, v in enumerate(outvars):
-        i = graph.out_to_in[o]
-        rule = rule_of_input(i) if i is not None else Full()
+    for i in graph.out_to_in:
+        rule = input_rules[i] if i is not None else Full()
         if isinstance(rule, Frozen):
             out_plan.append(("keep", i))
         elif isinstance(rule, ChannelSelect):
@@ -519,12 +606,19 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
             out_plan.append(("part", rule) if sparse else ("select", i, rule))
         else:
             out_plan.append(("whole",))
+    return out_plan
 
-    # Inputs as given to the rewritten graph.
+
+def _input_forms(graph: TrainGraph, input_rules: list[RuleOf], sparse_opt_state: bool) -> tuple[dict, set]:
+    """The form each input has in the rewritten graph, and the inputs it drops.
+
+    With a sparse optimizer state, a frozen parameter's state is not an input
+    and a channel-ruled parameter's state comes in sliced.
+    """
     in_form: dict = {}
     dropped_inputs = set()
-    for i, v in enumerate(invars):
-        rule = rule_of_input(i)
+    for i, v in enumerate(graph.jaxpr.invars):
+        rule = input_rules[i]
         if sparse_opt_state and graph.in_roles[i] == OPT_STATE and not isinstance(rule, Full):
             if isinstance(rule, Frozen):
                 dropped_inputs.add(i)
@@ -532,10 +626,14 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
                 in_form[v] = rule
         else:
             in_form[v] = None
+    return in_form, dropped_inputs
 
-    # 2. Demand analysis (backwards): the form every value is needed in.
+
+def _seed_demands(graph: TrainGraph, out_plan: list[tuple], dropped_inputs: set) -> _Requests:
+    """The demands the outputs put on the values they read (where the analysis starts)."""
+    invars = graph.jaxpr.invars
     req = _Requests()
-    for v, plan in zip(outvars, out_plan):
+    for v, plan in zip(graph.jaxpr.outvars, out_plan):
         if plan[0] == "keep":
             if plan[1] not in dropped_inputs:
                 req.add(invars[plan[1]], None)
@@ -546,13 +644,15 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
             req.add(v, plan[1])
         else:
             req.add(v, None)
-    param_shapes = {i: tuple(v.aval.shape) for i, v in enumerate(invars)}
-    modes = _plan(jaxpr.eqns, req, rules, param_shapes)
-    _check_sparse_state_use(graph, req, in_form, dropped_inputs)
+    return req
 
-    # 3. Re-trace, computing each value in the form demanded.
+
+def _retrace(graph: TrainGraph, out_plan, in_form: dict, dropped_inputs: set, modes, req: _Requests,
+             nested) -> C.ClosedJaxpr:
+    """Re-trace the step, each value computed in its demanded form, outputs as planned."""
+    jaxpr = graph.jaxpr
+    invars, outvars = jaxpr.invars, jaxpr.outvars
     kept_inputs = [i for i in range(len(invars)) if i not in dropped_inputs]
-    nested = _nested_rule(rules)
 
     def run(*args):
         env: dict = {}
@@ -561,22 +661,8 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
         for v, c in zip(jaxpr.constvars, graph.closed_jaxpr.consts):
             env[v] = (None, c)
         _evaluate(jaxpr.eqns, modes, env, req, nested)
-
-        results = []
-        for v, plan in zip(outvars, out_plan):
-            if plan[0] == "keep" and plan[1] in dropped_inputs:
-                continue  # sparse optimizer state of a frozen parameter: not an output
-            if plan[0] == "keep":
-                results.append(_read(env, invars[plan[1]], None))
-            elif plan[0] == "select":
-                sel = plan[2]
-                old = _read(env, invars[plan[1]], None)
-                results.append(slicing.put(sel, old, _materialize(_read(env, v, sel))))
-            elif plan[0] == "part":
-                results.append(_materialize(_read(env, v, plan[1])))
-            else:
-                results.append(_materialize(_read(env, v, None)))
-        return results
+        return [_output_value(env, invars, v, plan) for v, plan in zip(outvars, out_plan)
+                if not (plan[0] == "keep" and plan[1] in dropped_inputs)]
 
     in_structs = []
     for i in kept_inputs:
@@ -584,17 +670,27 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
         sel = in_form[invars[i]]
         shape = slicing.sliced_shape(sel, aval.shape) if sel is not None else aval.shape
         in_structs.append(jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type))
-    new_closed = jax.make_jaxpr(run)(*in_structs)
+    return jax.make_jaxpr(run)(*in_structs)
 
-    # 4. Bookkeeping: drop removed state from roles, paths and maps.
+
+def _output_value(env: dict, invars, v, plan: tuple):
+    """One output of the rewritten step, as its plan says (see :func:`_output_plan`)."""
+    if plan[0] == "keep":
+        return _read(env, invars[plan[1]], None)
+    if plan[0] == "select":
+        sel = plan[2]
+        old = _read(env, invars[plan[1]], None)
+        return slicing.put(sel, old, _materialize(_read(env, v, sel)))
+    if plan[0] == "part":
+        return _materialize(_read(env, v, plan[1]))
+    return _materialize(_read(env, v, None))
+
+
+def _drop_removed_state(graph: TrainGraph, new_closed: C.ClosedJaxpr, out_plan, dropped_inputs: set) -> TrainGraph:
+    """The rewritten graph, with dropped optimizer state gone from roles, paths and maps."""
+    kept_inputs = [i for i in range(len(graph.in_roles)) if i not in dropped_inputs]
     kept_outputs = [o for o, plan in enumerate(out_plan) if not (plan[0] == "keep" and plan[1] in dropped_inputs)]
     new_index = {old: new for new, old in enumerate(kept_inputs)}
-    meta = dict(graph.meta)
-    meta.setdefault("passes", [])
-    meta["passes"] = meta["passes"] + ["sparse_grad"]
-    meta["scheme"] = scheme
-    meta["rules"] = {graph.in_paths[i]: r for i, r in rules.items()}
-    meta["sparse_opt_state"] = sparse_opt_state
     return graph.replace(
         closed_jaxpr=new_closed,
         in_roles=tuple(graph.in_roles[i] for i in kept_inputs),
@@ -607,5 +703,4 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
         param_of=tuple(
             None if graph.param_of[i] is None else new_index.get(graph.param_of[i]) for i in kept_inputs
         ),
-        meta=meta,
     )

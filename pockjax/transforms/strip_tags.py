@@ -7,8 +7,9 @@ program does not need them. This pass runs last in :func:`pockjax.compile`.
 from __future__ import annotations
 
 from pockjax import tags
-from pockjax.graph import TrainGraph
 from pockjax._src import jaxpr as _interp
+from pockjax.graph import PassRecord, TrainGraph
+from pockjax.transforms.base import Pass
 
 
 def _is_tag(eqn) -> bool:
@@ -21,8 +22,17 @@ def _rule(eqn, invals):
     return _interp.rewrite_nested(eqn, invals, _rule, _is_tag)
 
 
-def strip_tags(graph: TrainGraph) -> TrainGraph:
-    """Drop every ``pockjax_*_tag`` equation (a pass).
+def _strip_tags_graph(graph: TrainGraph) -> TrainGraph:
+    if not _interp.contains(graph.jaxpr, _is_tag):
+        return graph
+    closed = _interp.retrace(graph.closed_jaxpr, _rule)
+    return graph.recorded(PassRecord("strip_tags"), closed_jaxpr=closed)
+
+
+def strip_tags() -> Pass:
+    """The pass that drops every ``pockjax_*_tag`` equation.
+
+    A graph without tags comes back unchanged (the same object).
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, pockjax
@@ -30,12 +40,7 @@ def strip_tags(graph: TrainGraph) -> TrainGraph:
         ...     g = jax.grad(lambda p: jnp.sum(p * x))(p)
         ...     return p - 0.1 * g, s, None
         >>> g = pockjax.trace_step(step, (jnp.ones(3), (), jnp.ones(3)))
-        >>> sorted(pockjax.count_primitives(pockjax.strip_tags(g)))
+        >>> sorted(pockjax.count_primitives(pockjax.strip_tags()(g)))
         ['broadcast_in_dim', 'mul', 'reduce_sum', 'sub']
     """
-    if not _interp.contains(graph.jaxpr, _is_tag):
-        return graph
-    closed = _interp.retrace(graph.closed_jaxpr, _rule)
-    meta = dict(graph.meta)
-    meta["passes"] = list(meta.get("passes", [])) + ["strip_tags"]
-    return graph.replace(closed_jaxpr=closed, meta=meta)
+    return Pass("strip_tags", _strip_tags_graph)

@@ -14,20 +14,21 @@ Typical use::
 
 from pockjax.models.llama.config import LlamaConfig
 from pockjax.models.llama.generate import generate, generate_text, sample_logits
-from pockjax.models.llama.gguf import (
-    PRETRAINED,
-    SUPPORTED_QUANT_TYPES,
+from pockjax.errors import (
+    CheckpointError,
     GGUFError,
+    SafetensorsError,
+    TokenizerFileError,
     UnsupportedModelError,
+)
+from pockjax.models.llama.gguf import (
+    SUPPORTED_QUANT_TYPES,
     build_model,
     dequantize,
     load_gguf,
-    load_pretrained,
-    pretrained_path,
     read_gguf,
 )
 from pockjax.models.llama.hf import (
-    CheckpointError,
     load_hf_checkpoint,
     read_hf_checkpoint,
     save_hf_checkpoint,
@@ -46,6 +47,7 @@ from pockjax.models.llama.model import (
     stack_layers,
     unflatten_params,
 )
+from pockjax.models.llama.pretrained import PRETRAINED, load_pretrained, pretrained_path
 from pockjax.models.llama.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
@@ -56,7 +58,9 @@ __all__ = [
     "LlamaConfig",
     "PRETRAINED",
     "SUPPORTED_QUANT_TYPES",
+    "SafetensorsError",
     "Tokenizer",
+    "TokenizerFileError",
     "UnsupportedModelError",
     "answer_loss",
     "apply",

@@ -18,7 +18,7 @@ from flax import nnx
 
 from pockjax.models.llama.model import Llama, init_cache, stack_layers
 
-__all__ = ["generate", "generate_text", "sample_logits"]
+__all__ = ["check_finite_weights", "generate", "generate_text", "sample_logits"]
 
 
 def sample_logits(logits: jax.Array, key: jax.Array, temperature: float | jax.Array = 1.0,
@@ -49,6 +49,36 @@ def sample_logits(logits: jax.Array, key: jax.Array, temperature: float | jax.Ar
     threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
     masked = jnp.where(logits >= threshold, logits, -jnp.inf)
     return jax.random.categorical(key, masked, axis=-1).astype(jnp.int32)
+
+
+def check_finite_weights(model: Llama, source: str = "the model") -> None:
+    """Raises :class:`~pockjax.errors.NonFiniteError` if a weight is NaN or infinite.
+
+    A model with such weights answers garbage or nothing at all; ``pockjax
+    generate`` refuses it with this error instead (one pass over the weights).
+
+    Example:
+      >>> from pockjax.models.llama import LlamaConfig
+      >>> m = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+      >>> check_finite_weights(m)
+      >>> m.norm.scale[...] = m.norm.scale[...].at[0].set(jnp.inf)
+      >>> check_finite_weights(m, "tiny")
+      Traceback (most recent call last):
+      ...
+      pockjax.errors.NonFiniteError: tiny holds non-finite weights (norm.scale (0 NaN, 1 inf)); it cannot generate: fine-tune it again with a lower --lr, or use its last good checkpoint
+    """
+    from pockjax.errors import NonFiniteError
+    from pockjax.models.llama.model import flatten_params, split
+
+    for path, x in flatten_params(split(model)[1]).items():
+        x = np.asarray(x).astype(np.float32, copy=False)
+        if np.isfinite(x).all():
+            continue
+        n_nan = int(np.isnan(x).sum())
+        n_inf = int(np.isinf(x).sum())
+        raise NonFiniteError(f"{source} holds non-finite weights ({path} ({n_nan} NaN, {n_inf} inf));"
+                             f" it cannot generate: fine-tune it again with a lower --lr, or use"
+                             f" its last good checkpoint")
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy"))

@@ -9,129 +9,35 @@ memory).
 from __future__ import annotations
 
 import glob
-import json
 import os
-import struct
 from typing import Any
 
 import numpy as np
 
+from pockjax.errors import CheckpointError, FileMissingError, UnsupportedModelError
+from pockjax.io.atomic import write_json
+from pockjax.io.jsonfile import read_json_object
+from pockjax.io.safetensors import read_safetensors, write_safetensors
 from pockjax.models.llama.config import LlamaConfig
-from pockjax.models.llama.gguf import GGUFError, UnsupportedModelError, build_model
+from pockjax.models.llama.weights import build_model, check_params, config_from_fields
 
 __all__ = ["CheckpointError", "hf_config", "load_hf_checkpoint", "read_hf_checkpoint",
            "read_safetensors", "save_hf_checkpoint", "write_safetensors"]
 
 
-class CheckpointError(GGUFError):
-    """A Hugging Face checkpoint directory is missing pieces or is corrupt."""
-
-
-def _bf16():
-    import ml_dtypes  # a JAX dependency
-
-    return np.dtype(ml_dtypes.bfloat16)
-
-
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64,
-              "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
-
-
-def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Reads a ``.safetensors`` file as read-only numpy memory maps.
-
-    Raises:
-      CheckpointError: bad header, unknown dtype, or a truncated file.
-
-    Example:
-      >>> import tempfile, os
-      >>> d = tempfile.mkdtemp()
-      >>> write_safetensors(os.path.join(d, "x.safetensors"), {"w": np.eye(2, dtype=np.float32)})
-      >>> read_safetensors(os.path.join(d, "x.safetensors"))["w"].tolist()
-      [[1.0, 0.0], [0.0, 1.0]]
-    """
-    path = os.fspath(path)
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path} is too short to be a safetensors file")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise CheckpointError(f"{path}: header length {n} exceeds the file size {size};"
-                                  f" the file is truncated or not safetensors")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
-    base = 8 + n
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dt = info["dtype"]
-        dtype = _bf16() if dt == "BF16" else _ST_DTYPES.get(dt)
-        if dtype is None:
-            raise UnsupportedModelError(f"{path}: tensor {name} has unsupported dtype {dt}")
-        start, end = info["data_offsets"]
-        if base + end > size:
-            raise CheckpointError(f"{path} is truncated: tensor {name} ends at byte"
-                                  f" {base + end}, the file has {size}")
-        shape = tuple(info["shape"])
-        count = int(np.prod(shape))
-        if count * np.dtype(dtype).itemsize != end - start:
-            raise CheckpointError(f"{path}: tensor {name} has {end - start} bytes for shape {shape}")
-        if count == 0:
-            out[name] = np.zeros(shape, dtype)
-        else:
-            out[name] = np.memmap(path, dtype=dtype, mode="r", offset=base + start, shape=shape)
-    return out
-
-
-def write_safetensors(path: str | os.PathLike, tensors: dict[str, Any],
-                      metadata: dict[str, str] | None = None) -> None:
-    """Writes numpy-convertible arrays to a ``.safetensors`` file (atomically).
-
-    Example:
-      >>> import tempfile, os
-      >>> p = os.path.join(tempfile.mkdtemp(), "x.safetensors")
-      >>> write_safetensors(p, {"b": np.ones(3, np.float16)})
-      >>> read_safetensors(p)["b"].dtype
-      dtype('float16')
-    """
-    names = {np.dtype(v).name: k for k, v in _ST_DTYPES.items()}
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    arrays = []
-    offset = 0
-    for name in sorted(tensors):
-        a = np.ascontiguousarray(np.asarray(tensors[name]))
-        dt = "BF16" if a.dtype == _bf16() else names.get(a.dtype.name)
-        if dt is None:
-            raise ValueError(f"cannot store dtype {a.dtype} of {name} in safetensors")
-        header[name] = {"dtype": dt, "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-        arrays.append(a)
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    path = os.fspath(path)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for a in arrays:
-            f.write(a.tobytes())
-    os.replace(tmp, path)
-
-
-def hf_config(config_json: dict[str, Any], **overrides: Any) -> LlamaConfig:
+def hf_config(config_json: dict[str, Any], source: str = "config.json",
+              **overrides: Any) -> LlamaConfig:
     """Maps a Hugging Face LLaMA ``config.json`` dict to a :class:`LlamaConfig`.
+
+    Args:
+      config_json: The parsed ``config.json``.
+      source: The file, named in error messages.
+      **overrides: :class:`LlamaConfig` fields to override.
 
     Raises:
       UnsupportedModelError: not ``model_type == "llama"``, RoPE scaling, or
         attention/MLP biases.
+      CheckpointError: a required field is missing or has the wrong type.
 
     Example:
       >>> hf_config({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
@@ -142,26 +48,41 @@ def hf_config(config_json: dict[str, Any], **overrides: Any) -> LlamaConfig:
     c = config_json
     if c.get("model_type") != "llama":
         raise UnsupportedModelError(
-            f"model_type {c.get('model_type')!r} is not supported; pockjax loads 'llama'"
-            f" checkpoints (architectures {c.get('architectures')})")
+            f"{source}: model_type {c.get('model_type')!r} is not supported; pockjax loads"
+            f" 'llama' checkpoints (architectures {c.get('architectures')})")
     rope = c.get("rope_parameters") or {}
     scaling = c.get("rope_scaling") or {}
+    if not isinstance(rope, dict) or not isinstance(scaling, dict):
+        raise CheckpointError(f"{source}: rope_parameters and rope_scaling must be objects")
     rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     if rope_type not in ("default", None):
-        raise UnsupportedModelError(f"RoPE scaling {rope_type!r} is not supported")
+        raise UnsupportedModelError(f"{source}: RoPE scaling {rope_type!r} is not supported")
     if c.get("attention_bias") or c.get("mlp_bias"):
-        raise UnsupportedModelError("LLaMA variants with attention or MLP biases are not supported")
+        raise UnsupportedModelError(f"{source}: LLaMA variants with attention or MLP biases are"
+                                    f" not supported")
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                           "num_attention_heads", "intermediate_size") if k not in c]
+    if missing:
+        raise CheckpointError(f"{source}: missing {', '.join(missing)}")
     n_heads = c["num_attention_heads"]
     head_dim = c.get("head_dim")
-    cfg = LlamaConfig(
+    if head_dim is not None and isinstance(n_heads, int) and n_heads > 0 \
+            and head_dim == c["hidden_size"] // n_heads:
+        head_dim = None
+    tie = c.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise CheckpointError(f"{source}: tie_word_embeddings must be true or false,"
+                              f" got {tie!r}")
+    cfg = config_from_fields(
+        source, CheckpointError,
         vocab=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
         n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
         hidden_dim=c["intermediate_size"],
-        rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-        rms_eps=float(c.get("rms_norm_eps", 1e-5)),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        max_seq_len=int(c.get("max_position_embeddings", 4096)),
-        head_dim=None if head_dim in (None, c["hidden_size"] // n_heads) else head_dim,
+        rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
+        rms_eps=c.get("rms_norm_eps", 1e-5),
+        tie_embeddings=tie,
+        max_seq_len=c.get("max_position_embeddings", 4096),
+        head_dim=head_dim,
     )
     return cfg.replace(**overrides)
 
@@ -189,7 +110,8 @@ def read_hf_checkpoint(path: str | os.PathLike, **config_overrides: Any
       ``(in, out)``).
 
     Raises:
-      FileNotFoundError: no directory, ``config.json`` or safetensors files.
+      FileMissingError: no directory, ``config.json`` or safetensors files (a
+        ``FileNotFoundError``).
       CheckpointError, UnsupportedModelError: as described there.
 
     Example:
@@ -204,43 +126,54 @@ def read_hf_checkpoint(path: str | os.PathLike, **config_overrides: Any
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+        raise FileMissingError(f"checkpoint directory not found: {path} does not exist")
     cj = os.path.join(path, "config.json")
     if not os.path.isfile(cj):
-        raise FileNotFoundError(f"no config.json in {path}")
-    with open(cj, encoding="utf-8") as f:
-        try:
-            cfg = hf_config(json.load(f), **config_overrides)
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{cj} is not valid JSON ({e})") from None
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        raise FileMissingError(f"no config.json in {path}")
+    cfg = hf_config(read_json_object(cj, error=CheckpointError), cj, **config_overrides)
+    files = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
     if not files:
-        bins = glob.glob(os.path.join(path, "*.bin"))
-        hint = (" (found PyTorch .bin files: convert them to safetensors first)" if bins else "")
-        raise FileNotFoundError(f"no *.safetensors files in {path}{hint}")
+        bins = glob.glob(os.path.join(glob.escape(path), "*.bin"))
+        hint = (" (found PyTorch .bin files: convert them to safetensors first; pockjax"
+                " never unpickles)" if bins else "")
+        raise FileMissingError(f"no *.safetensors files in {path}{hint}")
     tensors: dict[str, np.ndarray] = {}
+    origin: dict[str, str] = {}
     for fn in files:
-        tensors.update(read_safetensors(fn))
+        for name, arr in read_safetensors(fn).items():
+            if name in tensors:
+                raise CheckpointError(f"tensor {name!r} is in both {origin[name]} and {fn}")
+            tensors[name], origin[name] = arr, fn
     params: dict[str, np.ndarray] = {}
     for name, arr in tensors.items():
+        where = f"{origin[name]}: tensor {name!r}"
         if name.endswith("rotary_emb.inv_freq"):
             continue
+        if arr.dtype.kind != "f" and arr.dtype.name != "bfloat16":
+            raise CheckpointError(f"{where} has dtype {arr.dtype}; LLaMA weights are floats")
         if name == "model.embed_tokens.weight":
-            params["embed.embedding"] = arr
+            target, transpose = "embed.embedding", False
         elif name == "model.norm.weight":
-            params["norm.scale"] = arr
+            target, transpose = "norm.scale", False
         elif name == "lm_head.weight":
-            if not cfg.tie_embeddings:
-                params["lm_head.kernel"] = arr.T
+            if cfg.tie_embeddings:
+                continue
+            target, transpose = "lm_head.kernel", True
         elif name.startswith("model.layers."):
-            rest = name[len("model.layers."):]
-            idx, _, leaf = rest.partition(".")
-            if leaf not in _HF_NAMES or not idx.isdigit():
-                raise UnsupportedModelError(f"unexpected tensor {name!r} in a LLaMA checkpoint")
+            idx, _, leaf = name[len("model.layers."):].partition(".")
+            if leaf not in _HF_NAMES or not idx.isdigit() or int(idx) >= cfg.n_layers:
+                raise UnsupportedModelError(f"{where} is unexpected in a LLaMA checkpoint"
+                                            f" of {cfg.n_layers} layers")
             target, transpose = _HF_NAMES[leaf]
-            params[f"layers.{idx}.{target}"] = arr.T if transpose else arr
+            target = f"layers.{int(idx)}.{target}"
         else:
-            raise UnsupportedModelError(f"unexpected tensor {name!r} in a LLaMA checkpoint")
+            raise UnsupportedModelError(f"{where} is unexpected in a LLaMA checkpoint")
+        if target in params:
+            raise CheckpointError(f"{where} maps to {target}, which is already set")
+        if transpose and arr.ndim != 2:
+            raise CheckpointError(f"{where} has shape {arr.shape}; expected a matrix")
+        params[target] = arr.T if transpose else arr
+    check_params(path, cfg, params, CheckpointError)
     return cfg, params
 
 
@@ -262,9 +195,10 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: Any = None,
       >>> from flax import nnx
       >>> from pockjax.models.llama import Llama
       >>> d = tempfile.mkdtemp()
-      >>> save_hf_checkpoint(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)), d)
-      >>> load_hf_checkpoint(d).config.n_layers
-      2
+      >>> tied = LlamaConfig.tiny(tie_embeddings=True)
+      >>> save_hf_checkpoint(Llama(tied, rngs=nnx.Rngs(0)), d)
+      >>> load_hf_checkpoint(d).config == tied
+      True
     """
     cfg, flat = read_hf_checkpoint(path, **config_overrides)
     return build_model(cfg, flat, dtype=dtype, param_dtype=param_dtype)
@@ -281,7 +215,8 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike) -> None:
       >>> from flax import nnx
       >>> from pockjax.models.llama import Llama
       >>> d = tempfile.mkdtemp()
-      >>> save_hf_checkpoint(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)), d)
+      >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+      >>> save_hf_checkpoint(model, d)
       >>> sorted(os.listdir(d))
       ['config.json', 'model.safetensors']
     """
@@ -321,7 +256,4 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike) -> None:
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "torch_dtype": "float32",
     }
-    tmp = os.path.join(path, "config.json.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(config_json, f, indent=2)
-    os.replace(tmp, os.path.join(path, "config.json"))
+    write_json(os.path.join(path, "config.json"), config_json, indent=2)

@@ -9,10 +9,14 @@ template.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any, Iterable, Sequence
+
+from pockjax.errors import FileMissingError, TokenizerFileError, UnsupportedModelError
+from pockjax.io.atomic import write_json, write_text
+from pockjax.io.gguf import GGUFFile, open_gguf
+from pockjax.io.tokenizer_json import read_tokenizer_config, read_tokenizer_json
 
 __all__ = ["Tokenizer", "load_tokenizer", "tokenizer_from_gguf", "tokenizer_from_hf_dir",
            "render_chatml"]
@@ -188,8 +192,15 @@ class Tokenizer:
             special["bos_token"] = self.backend.id_to_token(self.bos_id)
         if self.eos_id is not None:
             special["eos_token"] = self.backend.id_to_token(self.eos_id)
-        return env.from_string(template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **special)
+        try:
+            compiled = env.from_string(template)
+        except jinja2.TemplateError as e:
+            raise TokenizerFileError(f"the model's chat template is not valid Jinja: {e}") from None
+        try:
+            return compiled.render(messages=list(messages),
+                                   add_generation_prompt=add_generation_prompt, **special)
+        except jinja2.TemplateError as e:  # includes the sandbox's SecurityError
+            raise TokenizerFileError(f"the model's chat template fails: {e}") from None
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]],
                             add_generation_prompt: bool = True,
@@ -232,13 +243,8 @@ class Tokenizer:
         config = {"bos_token": name(self.bos_id), "eos_token": name(self.eos_id),
                   "pad_token": name(self.pad_id), "add_bos_token": self.add_bos,
                   "chat_template": self.chat_template}
-        for fname, write in (("tokenizer.json", lambda f: f.write(self.backend.to_str())),
-                             ("tokenizer_config.json",
-                              lambda f: json.dump(config, f, ensure_ascii=False, indent=1))):
-            tmp = os.path.join(path, fname + ".tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
-                write(f)
-            os.replace(tmp, os.path.join(path, fname))
+        write_text(os.path.join(path, "tokenizer.json"), self.backend.to_str())
+        write_json(os.path.join(path, "tokenizer_config.json"), config, indent=1)
 
     @classmethod
     def byte_level_for_tests(cls) -> "Tokenizer":
@@ -275,7 +281,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int] | None,
-                    pre_tokenizer: Any):
+                    pre_tokenizer: Any, source: str = "tokenizer"):
     from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
 
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -283,10 +289,15 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int]
     for m in merges:
         a, sep, b = m.partition(" ")
         if not sep:
-            raise ValueError(f"malformed BPE merge {m!r} (expected 'left right')")
+            raise TokenizerFileError(f"{source}: malformed BPE merge {m!r} (expected"
+                                     f" 'left right')")
         pairs.append((a, b))
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
-                                     byte_fallback=False, ignore_merges=False))
+    try:
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
+                                         byte_fallback=False, ignore_merges=False))
+    except Exception as e:  # the Rust library raises a bare Exception
+        raise TokenizerFileError(f"{source}: the tokenizers library rejects the vocabulary:"
+                                 f" {str(e).strip() or type(e).__name__}") from None
     backend.pre_tokenizer = pre_tokenizer
     backend.decoder = decoders.ByteLevel()
     types = token_types or [_NORMAL] * len(tokens)
@@ -301,13 +312,13 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int]
     return backend
 
 
-def _pre_tokenizer(name: str | None):
+def _pre_tokenizer(name: str | None, source: str = "tokenizer"):
     from tokenizers import Regex, pre_tokenizers
 
-    kind = _PRE_TOKENIZERS.get(name or "default")
+    kind = _PRE_TOKENIZERS.get(name or "default") if isinstance(name, (str, type(None))) else None
     if kind is None:
-        raise ValueError(
-            f"unsupported GGUF pre-tokenizer {name!r}; supported:"
+        raise UnsupportedModelError(
+            f"{source}: unsupported GGUF pre-tokenizer {name!r}; supported:"
             f" {sorted(_PRE_TOKENIZERS)}")
     if kind == "gpt2":
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -321,42 +332,66 @@ def _pre_tokenizer(name: str | None):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
-def tokenizer_from_gguf(reader) -> Tokenizer:
+def _is_str_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, str) for t in x)
+
+
+def tokenizer_from_gguf(reader: GGUFFile) -> Tokenizer:
     """Builds the :class:`Tokenizer` described by an open GGUF file's metadata.
 
     Supports byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``),
     as used by SmolLM, LLaMA-3 and StarCoder-style models.
 
     Raises:
-      ValueError: for SentencePiece (``"llama"``) or other tokenizer models, or
-        an unknown pre-tokenizer.
+      UnsupportedModelError: for SentencePiece (``"llama"``) or other
+        tokenizer models, or an unknown pre-tokenizer (a ``ValueError``).
+      TokenizerFileError: tokenizer metadata of the wrong type or size.
 
     Example (not run: reads a model file)::
 
       tok = tokenizer_from_gguf(open_gguf(pretrained_path("smollm2-135m")))
       tok.encode("Hello world")   # [19556, 905]
     """
-    def field(key, default=None):
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
-    model = field("tokenizer.ggml.model")
+    source = reader.path
+    model = reader.get("tokenizer.ggml.model")
     if model != "gpt2":
-        raise ValueError(
-            f"GGUF tokenizer model {model!r} is not supported (pockjax builds byte-level BPE"
-            f" 'gpt2' tokenizers); for a SentencePiece LLaMA-2 model, load its Hugging Face"
-            f" directory's tokenizer.json with tokenizer_from_hf_dir()")
-    tokens = field("tokenizer.ggml.tokens")
-    merges = field("tokenizer.ggml.merges", [])
-    types = field("tokenizer.ggml.token_type")
-    backend = _byte_level_bpe(tokens, merges, types, _pre_tokenizer(field("tokenizer.ggml.pre")))
+        raise UnsupportedModelError(
+            f"{source}: GGUF tokenizer model {model!r} is not supported (pockjax builds"
+            f" byte-level BPE 'gpt2' tokenizers); for a SentencePiece LLaMA-2 model, load its"
+            f" Hugging Face directory's tokenizer.json with tokenizer_from_hf_dir()")
+    tokens = reader.get("tokenizer.ggml.tokens")
+    merges = reader.get("tokenizer.ggml.merges", [])
+    types = reader.get("tokenizer.ggml.token_type")
+    if not _is_str_list(tokens) or not tokens:
+        raise TokenizerFileError(f"{source}: tokenizer.ggml.tokens must be a non-empty list"
+                                 f" of strings")
+    if len(set(tokens)) != len(tokens):
+        raise TokenizerFileError(f"{source}: tokenizer.ggml.tokens lists a token twice")
+    if not _is_str_list(merges):
+        raise TokenizerFileError(f"{source}: tokenizer.ggml.merges must be a list of strings")
+    if types is not None and not (isinstance(types, list) and len(types) == len(tokens)
+                                  and all(type(t) is int for t in types)):
+        raise TokenizerFileError(f"{source}: tokenizer.ggml.token_type must be a list of"
+                                 f" {len(tokens)} integers, one per token")
+    ids = {}
+    for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
+        tid = reader.get(f"tokenizer.ggml.{key}")
+        if tid is not None and not (type(tid) is int and 0 <= tid < len(tokens)):
+            raise TokenizerFileError(f"{source}: tokenizer.ggml.{key} {tid!r} is not a token id"
+                                     f" (the vocabulary has {len(tokens)} tokens)")
+        ids[key] = tid
+    template = reader.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise TokenizerFileError(f"{source}: tokenizer.chat_template must be a string")
+    backend = _byte_level_bpe(tokens, merges, types,
+                              _pre_tokenizer(reader.get("tokenizer.ggml.pre"), source), source)
     return Tokenizer(
         backend,
-        bos_id=field("tokenizer.ggml.bos_token_id"),
-        eos_id=field("tokenizer.ggml.eos_token_id"),
-        pad_id=field("tokenizer.ggml.padding_token_id"),
-        chat_template=field("tokenizer.chat_template"),
-        add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
+        bos_id=ids["bos_token_id"],
+        eos_id=ids["eos_token_id"],
+        pad_id=ids["padding_token_id"],
+        chat_template=template,
+        add_bos=bool(reader.get("tokenizer.ggml.add_bos_token", False)),
     )
 
 
@@ -364,7 +399,8 @@ def tokenizer_from_hf_dir(path: str | os.PathLike) -> Tokenizer:
     """Loads ``tokenizer.json`` (+ ``tokenizer_config.json``) from a Hugging Face directory.
 
     Raises:
-      FileNotFoundError: no ``tokenizer.json`` in ``path``.
+      FileMissingError: no ``tokenizer.json`` in ``path`` (a ``FileNotFoundError``).
+      TokenizerFileError: a corrupt ``tokenizer.json`` or ``tokenizer_config.json``.
 
     Example:
       >>> import tempfile, os
@@ -373,37 +409,37 @@ def tokenizer_from_hf_dir(path: str | os.PathLike) -> Tokenizer:
       >>> tokenizer_from_hf_dir(d).encode("ok")
       [111, 107]
     """
-    from tokenizers import Tokenizer as HFTokenizer
-
     path = os.fspath(path)
     tj = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tj):
-        raise FileNotFoundError(f"no tokenizer.json in {path}")
-    backend = HFTokenizer.from_file(tj)
-    cfg: dict[str, Any] = {}
+        raise FileMissingError(f"no tokenizer.json in {path}")
+    backend = read_tokenizer_json(tj)
     cj = os.path.join(path, "tokenizer_config.json")
-    if os.path.isfile(cj):
-        with open(cj, encoding="utf-8") as f:
-            cfg = json.load(f)
+    cfg = read_tokenizer_config(cj) if os.path.isfile(cj) else {}
 
     def special(name):
         tok = cfg.get(name)
-        if isinstance(tok, dict):
-            tok = tok.get("content")
-        return backend.token_to_id(tok) if tok else None
+        if not tok:
+            return None
+        tid = backend.token_to_id(tok)
+        if tid is None:
+            raise TokenizerFileError(f"{cj}: {name} {tok!r} is not in the vocabulary of {tj}")
+        return tid
 
-    template = cfg.get("chat_template")
-    if isinstance(template, list):  # named templates: take the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
     # A post-processor in tokenizer.json may add BOS itself; encode() calls the backend
     # without special tokens, so follow tokenizer_config's add_bos_token.
     return Tokenizer(backend, bos_id=special("bos_token"), eos_id=special("eos_token"),
-                     pad_id=special("pad_token"), chat_template=template,
+                     pad_id=special("pad_token"), chat_template=cfg.get("chat_template"),
                      add_bos=bool(cfg.get("add_bos_token", False)))
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Loads a tokenizer from a ``.gguf`` file or a Hugging Face model directory.
+
+    Raises:
+      FileMissingError: ``path`` does not exist.
+      GGUFError, TokenizerFileError, UnsupportedModelError: a corrupt or
+        unsupported tokenizer.
 
     Example (not run: reads a model file)::
 
@@ -413,6 +449,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     path = os.fspath(path)
     if os.path.isdir(path):
         return tokenizer_from_hf_dir(path)
-    from pockjax.models.llama.gguf import open_gguf
-
+    if not os.path.exists(path):
+        raise FileMissingError(f"tokenizer source {path} does not exist (expected a .gguf file"
+                               f" or a model directory)")
     return tokenizer_from_gguf(open_gguf(path))

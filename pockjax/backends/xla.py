@@ -1,0 +1,97 @@
+"""The in-process XLA backend: ``jax.jit`` of the transformed step, state donated.
+
+:func:`pockjax.compile` without ``target=`` builds an :class:`XlaExecutable`
+from the rewritten :class:`~pockjax.graph.TrainGraph`. Calls go through
+``jax.jit``'s C++ dispatch; a call with arguments of another signature makes
+the jit retrace, which raises :class:`SignatureChanged` so that the caller
+compiles (or finds) the step for that signature instead.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import jax
+
+from pockjax import _compat as C
+from pockjax.errors import BackendError
+
+if TYPE_CHECKING:
+    from pockjax.graph import TrainGraph
+
+__all__ = ["SignatureChanged", "XlaExecutable", "xla_compile_options"]
+
+
+def xla_compile_options(platform: str, xla_options: dict | None = None) -> dict:
+    """The XLA compiler options that apply to a step compiled on ``platform``.
+
+    ``xla_cpu_*`` options are dropped off the CPU platform (so one options dict
+    serves CPU and GPU runs), and so are options whose value is ``None``.
+
+    Example:
+      >>> opts = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_gpu_autotune_level": None}
+      >>> xla_compile_options("cpu", opts)
+      {'xla_cpu_experimental_ynn_fusion_type': ''}
+      >>> xla_compile_options("gpu", opts)
+      {}
+    """
+    return {
+        key: value
+        for key, value in (xla_options or {}).items()
+        if value is not None and (platform == "cpu" or not key.startswith("xla_cpu_"))
+    }
+
+
+class SignatureChanged(Exception):
+    """Raised while jax.jit retraces an XLA step for arguments of another signature."""
+
+
+class XlaExecutable:
+    """The XLA backend: ``jax.jit`` of the transformed jaxpr, state donated.
+
+    Args:
+      graph: the rewritten step.
+      computed_outputs: indices of the graph outputs the executable computes
+        (the others forward an input unchanged and are not returned).
+      donate: flat input indices whose buffers the step may reuse.
+      xla_options: XLA compiler options (see :func:`xla_compile_options`).
+    """
+
+    name = "xla"
+
+    def __init__(self, graph: "TrainGraph", computed_outputs: Sequence[int], donate: Sequence[int],
+                 xla_options: dict | None = None):
+        closed = graph.closed_jaxpr
+        inner = closed.jaxpr.replace(outvars=[closed.jaxpr.outvars[o] for o in computed_outputs])
+        C.check_jaxpr(inner)
+        run = C.jaxpr_as_fun(C.ClosedJaxpr(inner, closed.consts))
+        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in graph.in_avals]
+        expected = [(tuple(a.shape), a.dtype) for a in avals]
+
+        def fun(*args):
+            # traced once per signature: the graph is valid for this one only
+            # (a weak type changes nothing in an already typed jaxpr)
+            got = [(tuple(x.aval.shape), x.aval.dtype) for x in args]
+            if got != expected:
+                raise SignatureChanged()
+            return run(*args)
+
+        self.options = xla_compile_options(jax.default_backend(), xla_options)
+        # Calls go through jax.jit's C++ dispatch (the same per-call cost as the
+        # user's own jax.jit); the ahead-of-time compile below fills its
+        # compilation cache and serves cost and memory analysis.
+        self.jitted = jax.jit(fun, donate_argnums=tuple(donate), compiler_options=self.options or None)
+        lowered = self.jitted.lower(*avals)
+        try:
+            self.compiled = lowered.compile()
+        except Exception as e:  # pragma: no cover - XLA failure reporting
+            bad = [k for k in self.options if k in str(e)]
+            if bad:
+                raise BackendError(
+                    f"XLA rejected compiler option(s) {bad}: {e}. Drop them with"
+                    f" pockjax.compile(..., xla_options={{{bad[0]!r}: None}})"
+                ) from e
+            raise BackendError(f"XLA failed to compile the transformed step: {e}") from e
+
+    def __call__(self, *flat_args):
+        return self.jitted(*flat_args)
