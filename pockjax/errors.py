@@ -86,3 +86,18 @@ class NonFiniteError(PockjaxError, ArithmeticError):
 
 class DataError(FileFormatError):
     """A data file is missing, empty, or has a malformed line."""
+
+
+class TargetError(BackendError, ValueError):
+    """An unknown compile target, or a target option that does not apply to it."""
+
+
+class InputError(PockjaxError, ValueError):
+    """A value given to a command or function that it cannot use (say which and why)."""
+
+
+class UnknownTaskError(PockjaxError, KeyError):
+    """A task name that is not one of the shipped tasks."""
+
+    def __str__(self) -> str:  # KeyError would print the message with quotes
+        return str(self.args[0]) if self.args else ""

@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-
-import _iree_steps as S  # noqa: E402
-from pockjax.backends import iree as piree  # noqa: E402
-from pockjax.backends.iree import targets  # noqa: E402
+import _iree_steps as S
+from pockjax.backends import iree as piree
+from pockjax.backends.iree import targets
+from pockjax.errors import TargetError
 
 pytestmark = pytest.mark.iree
 
@@ -52,13 +52,13 @@ def test_target_options_override_cpu_and_gpu_arch():
     assert "--iree-cuda-target=sm_80" in hopper.flags and hopper.options["arch_requested"] == "sm_90"
     emb = targets.resolve("dsp", triple="riscv32-unknown-elf", static_library="/tmp/x.o")
     assert emb.backend == "llvm-cpu" and "--iree-llvmcpu-link-static" in emb.flags
-    with pytest.raises(ValueError, match="unknown IREE target 'tpu'"):
+    with pytest.raises(TargetError, match="unknown IREE target 'tpu'"):
         targets.resolve("tpu")
-    with pytest.raises(ValueError, match="apply to CPU targets"):
+    with pytest.raises(TargetError, match="apply to CPU targets"):
         targets.resolve("cuda", cpu="znver4")
-    with pytest.raises(ValueError, match="applies to GPU targets"):
+    with pytest.raises(TargetError, match="applies to GPU targets"):
         targets.resolve("cpu", arch="sm_80")
-    with pytest.raises(ValueError, match="unknown target options"):
+    with pytest.raises(TargetError, match="unknown target options"):
         targets.resolve("cpu", vector_width=4)
 
 
@@ -300,7 +300,7 @@ def test_cpu_data_tiling_option_and_auto_threshold():
     off = targets.resolve("cpu", data_tiling=False).flags
     assert not any(f in off for f in targets.DATA_TILING_FLAGS)
     assert not any(f in targets.resolve("arm64").flags for f in targets.DATA_TILING_FLAGS)
-    with pytest.raises(ValueError, match="apply to llvm-cpu targets"):
+    with pytest.raises(TargetError, match="apply to llvm-cpu targets"):
         targets.resolve("vulkan", data_tiling=True)
 
     def mm(a, b):

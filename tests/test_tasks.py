@@ -25,6 +25,7 @@ from pockjax.data import (
     save_alpaca_jsonl,
     train_eval_split,
 )
+from pockjax.errors import UnknownTaskError
 from pockjax.models import llama
 from pockjax.models.llama import LlamaConfig, Tokenizer
 
@@ -83,7 +84,7 @@ def test_exact_match_judging():
 
 
 def test_unknown_task_lists_known_ones():
-    with pytest.raises(KeyError, match="reverse_words"):
+    with pytest.raises(UnknownTaskError, match="reverse_words"):
         get_task("translate")
     assert get_task("reverse-words").name == "reverse_words"
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from pockjax._cli_args import non_negative_int, positive_finite_float, positive_int
+
 
 def _cmd(args: argparse.Namespace) -> int:
     import sys
@@ -98,30 +100,34 @@ def register(subparsers) -> None:
                    help="smollm2-135m (pretrained), tiny (random, for tests), llama-1b (random, ~1.0B)")
     p.add_argument("--device", default="cpu", choices=["cpu", "gpu"],
                    help="where the rows train (gpu: an NVIDIA GPU; the IREE row is left out)")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=None, help="tokens per row (default: 128; 192 for tiny and llama-1b)")
-    p.add_argument("--reps", type=int, default=2, help="rounds of the speed phase")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per process")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per process")
+    p.add_argument("--batch", type=positive_int, default=4)
+    p.add_argument("--seq", type=positive_int, default=None,
+                   help="tokens per row (default: 128; 192 for tiny and llama-1b)")
+    p.add_argument("--reps", type=positive_int, default=2, help="rounds of the speed phase")
+    p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps per process")
+    p.add_argument("--steps", type=positive_int, default=3, help="timed steps per process")
     p.add_argument("--rows", default=None, help="comma-separated speed rows (default: all; 'none': skip)")
-    p.add_argument("--quality-steps", type=int, default=0,
+    p.add_argument("--quality-steps", type=non_negative_int, default=0,
                    help="fine-tuning steps of the quality phase (0: no quality phase)")
     p.add_argument("--quality-rows", default=None, help="comma-separated quality rows")
-    p.add_argument("--quality-batch", type=int, default=8)
-    p.add_argument("--quality-seq", type=int, default=None)
-    p.add_argument("--eval-examples", type=int, default=40)
-    p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate of the full rows")
-    p.add_argument("--lora-lr", type=float, default=1e-3, help="... of the LoRA row")
-    p.add_argument("--sparse-lr", type=float, default=1e-3,
+    p.add_argument("--quality-batch", type=positive_int, default=8)
+    p.add_argument("--quality-seq", type=positive_int, default=None)
+    p.add_argument("--eval-examples", type=positive_int, default=40,
+                   help="held-out examples scored by exact match in the quality phase")
+    p.add_argument("--lr", type=positive_finite_float, default=3e-4, help="AdamW learning rate of the full rows")
+    p.add_argument("--lora-lr", type=positive_finite_float, default=1e-3, help="... of the LoRA row")
+    p.add_argument("--sparse-lr", type=positive_finite_float, default=1e-3,
                    help="... of the sparse rows (paper, norm-only, channels, requires_grad, frozen)")
-    p.add_argument("--blocks", type=int, default=None, help="last blocks of the paper scheme")
-    p.add_argument("--threads", type=int, default=None, help="PyTorch threads (default: all cores)")
+    p.add_argument("--blocks", type=positive_int, default=None,
+                   help="last blocks of the paper scheme (default: the registry's depth rule,"
+                        " see pockjax/schemes.py paper_blocks)")
+    p.add_argument("--threads", type=positive_int, default=None, help="PyTorch threads (default: all cores)")
     p.add_argument("--torch-mkl-any-cpu", action="store_true",
                    help="run the PyTorch rows with Intel MKL's CPU-vendor check answered 'Intel'"
                         " (on a non-Intel x86 CPU MKL otherwise takes its generic kernels; needs a"
                         " C compiler)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per row process")
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--timeout", type=positive_finite_float, default=1800.0, help="seconds per row process")
     p.add_argument("--out", default="bench-results")
     p.add_argument("--list", action="store_true", help="list the rows and exit")
     p.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",

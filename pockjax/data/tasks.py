@@ -30,6 +30,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from pockjax.errors import UnknownTaskError
+
 __all__ = [
     "Example",
     "TASKS",
@@ -263,7 +265,7 @@ def get_task(name: str | Task) -> Task:
         return name
     key = name.replace("-", "_")
     if key not in TASKS:
-        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+        raise UnknownTaskError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
     return TASKS[key]
 
 

@@ -23,6 +23,8 @@ import os
 import sys
 import time
 
+from pockjax._cli_args import non_negative_finite_float, positive_finite_float, positive_int
+
 __all__ = ["register", "run_memory", "run_plan"]
 
 #: PockEngine's reported peak memory on Jetson AGX Orin, LLaMA-2-7B (GB).
@@ -49,10 +51,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--model", default="tiny", choices=("tiny", "smollm2-135m"))
     m.add_argument("--scheme", default="full", metavar=_scheme_help(),
                    help="update scheme (pockjax.schemes, as pockjax finetune) or a JSON scheme file")
-    m.add_argument("--blocks", type=int, default=None, help=blocks_help)
-    m.add_argument("--batch", type=int, default=4)
-    m.add_argument("--seq", type=int, default=128)
-    m.add_argument("--remat-budget", type=float, default=0.0, help="FLOPs reorder_for_memory may add by recomputing")
+    m.add_argument("--blocks", type=positive_int, default=None, help=blocks_help)
+    m.add_argument("--batch", type=positive_int, default=4)
+    m.add_argument("--seq", type=positive_int, default=128)
+    m.add_argument("--remat-budget", type=non_negative_finite_float, default=0.0,
+                   help="FLOPs reorder_for_memory may add by recomputing (0: none)")
     m.add_argument("--out", default="memory-timeline", help="directory for the timeline pictures")
     m.add_argument("--formats", default="png", help="comma-separated: png,svg")
     m.add_argument("--no-plot", action="store_true")
@@ -67,12 +70,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--scheme", default="full", metavar=_scheme_help() + "|both",
                    help="update scheme (pockjax.schemes, as pockjax finetune), a JSON scheme file,"
                         " or both (full and paper)")
-    p.add_argument("--blocks", "--sparse-blocks", dest="blocks", type=int, default=None, help=blocks_help)
+    p.add_argument("--blocks", "--sparse-blocks", dest="blocks", type=positive_int, default=None,
+                   help=blocks_help)
     p.add_argument("--dtype", default=None, choices=("bf16", "f32"), help="default: bf16 for llama2-7b, else f32")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--layers", type=int, default=None, help="override the number of blocks")
-    p.add_argument("--budget-gb", type=float, default=None, help="device memory in GiB")
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--seq", type=positive_int, default=512)
+    p.add_argument("--layers", type=positive_int, default=None, help="override the number of blocks")
+    p.add_argument("--budget-gb", type=positive_finite_float, default=None,
+                   help="device memory in GiB (finite, > 0)")
     p.set_defaults(func=run_plan)
 
 

@@ -35,6 +35,8 @@ import sys
 import time
 from typing import Any, Callable
 
+from pockjax._cli_args import non_negative_int, positive_finite_float, positive_int
+
 __all__ = ["SearchConfig", "SearchError", "main", "register", "run_search", "parse_budget"]
 
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -422,32 +424,32 @@ def register(subparsers) -> None:
     p.add_argument("--model", default=d.model, help="smollm2-135m, a .gguf, a Hugging Face dir, or tiny")
     p.add_argument("--task", default=d.task)
     p.add_argument("--data", default=None, help="Alpaca JSONL instead of a built-in task")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--train-examples", type=int, default=d.train_examples)
-    p.add_argument("--eval-examples", type=int, default=d.eval_examples)
-    p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (scales the gains)")
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size)
+    p.add_argument("--seq-len", type=positive_int, default=None)
+    p.add_argument("--seed", type=non_negative_int, default=d.seed)
+    p.add_argument("--train-examples", type=positive_int, default=d.train_examples)
+    p.add_argument("--eval-examples", type=non_negative_int, default=d.eval_examples)
+    p.add_argument("--lr", type=positive_finite_float, default=d.lr, help="AdamW learning rate (scales the gains)")
     p.add_argument("--kinds", default=d.kinds, help="tensor kinds to consider")
     p.add_argument("--blocks", default=None, help="candidate blocks, e.g. 10-29 (default: all)")
     p.add_argument("--reference", default=d.reference,
                    help="scheme the budgets refer to: a pockjax.schemes name (paper, full, ...), as pockjax"
                         " finetune trains it, or a scheme file")
-    p.add_argument("--reference-blocks", type=int, default=None,
+    p.add_argument("--reference-blocks", type=positive_int, default=None,
                    help="--blocks of the reference scheme (default: the registry's, as pockjax finetune)")
     p.add_argument("--time-budget", default=d.time_budget,
                    help="step-time budget as step FLOPs: paper, 0.8*paper, 2.4e12, 900GFLOP, none")
     p.add_argument("--memory-budget", default=d.memory_budget,
                    help="planned peak memory: paper, 0.8*paper, 1.5GiB, 800MB, none")
-    p.add_argument("--proxy-batches", type=int, default=d.proxy_batches, help="backward passes for the gains")
-    p.add_argument("--validate", type=int, default=0, metavar="N",
+    p.add_argument("--proxy-batches", type=positive_int, default=d.proxy_batches, help="backward passes for the gains")
+    p.add_argument("--validate", type=non_negative_int, default=0, metavar="N",
                    help="also run real one-tensor fine-tunes on N tensors and report the rank correlation")
-    p.add_argument("--validate-steps", type=int, default=d.validate_steps)
+    p.add_argument("--validate-steps", type=positive_int, default=d.validate_steps)
     p.add_argument("--validate-blocks", default=None, help="blocks of the validated tensors (default: the last)")
     p.add_argument("--measure", action="store_true", help="compile and time the reference and searched steps")
     p.add_argument("--out", default=None, help="directory for scheme.json, report.json, units.tsv, the plot")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--top", type=int, default=d.top, help="rows of the printed table")
+    p.add_argument("--top", type=non_negative_int, default=d.top, help="rows of the printed table")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_run)
 

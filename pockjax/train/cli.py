@@ -8,7 +8,7 @@ import sys
 from pockjax._cli_args import (StoreGiven, float_in, given_options, non_negative_finite_float,
                                non_negative_int, positive_finite_float, positive_int, probability)
 from pockjax.train.finetune import DEFAULT_LR, FinetuneConfig
-from pockjax.train.schemes import DEFAULT_BLOCKS, SCHEMES
+from pockjax.train.schemes import SCHEMES
 
 _D = FinetuneConfig()
 
@@ -95,7 +95,8 @@ def register(subparsers) -> None:
                    action=StoreGiven,
                    help="update scheme, or a JSON scheme file (UpdateScheme.to_dict)")
     p.add_argument("--blocks", type=positive_int, default=None, action=StoreGiven,
-                   help=f"last blocks trained by paper/channels (default {DEFAULT_BLOCKS})")
+                   help="last blocks trained by paper/channels (default: the registry's depth rule,"
+                        " see pockjax/schemes.py paper_blocks)")
     p.add_argument("--optimizer", default=_D.optimizer, choices=sorted(DEFAULT_LR),
                    action=StoreGiven)
     p.add_argument("--lr", type=positive_finite_float, default=None, action=StoreGiven,

@@ -14,8 +14,13 @@ from __future__ import annotations
 import argparse
 import time
 
+from pockjax._cli_args import positive_finite_float, positive_int
+
 
 def register(subparsers) -> None:
+    from pockjax.backends.iree.targets import names as target_names
+
+    targets = target_names()
     p = subparsers.add_parser(
         "export",
         help="compile a sparse fine-tuning step ahead of time with IREE and write it to a directory",
@@ -24,13 +29,16 @@ def register(subparsers) -> None:
     )
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a .gguf / checkpoint path, or 'tiny'")
     p.add_argument("--scheme", default="paper", help="full, paper, norm-only, channels, or a scheme JSON file")
-    p.add_argument("--blocks", type=int, default=None, help="last blocks the paper scheme trains")
-    p.add_argument("--target", default="cpu", help="cpu, arm64, vulkan, cuda or dsp")
+    p.add_argument("--blocks", type=positive_int, default=None,
+                   help="last blocks trained by paper/channels (default: the registry's depth rule,"
+                        " see pockjax/schemes.py paper_blocks)")
+    p.add_argument("--target", default="cpu", choices=targets, metavar="|".join(targets),
+                   help="IREE target (default cpu; see pockjax.backends.iree.targets)")
     p.add_argument("--cpu", default=None, help="IREE CPU name for llvm-cpu targets (e.g. cortex-a76)")
     p.add_argument("--arch", default=None, help="GPU architecture (e.g. sm_80)")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--batch-size", type=positive_int, default=1)
+    p.add_argument("--seq-len", type=positive_int, default=64)
+    p.add_argument("--lr", type=positive_finite_float, default=1e-4)
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=run_export)
 
@@ -42,7 +50,7 @@ def run_export(args) -> int:
 
     import pockjax
     from pockjax.models import llama
-    from pockjax.train.schemes import DEFAULT_BLOCKS, llama_scheme
+    from pockjax.train.schemes import llama_scheme
     from pockjax.train.steps import lm_train_step
 
     if args.model == "tiny":
@@ -52,7 +60,7 @@ def run_export(args) -> int:
     if args.seq_len > model.config.max_seq_len:
         raise SystemExit(f"--seq-len {args.seq_len} is beyond the model's context of {model.config.max_seq_len}")
     graphdef, params = llama.split(model)
-    scheme = llama_scheme(args.scheme, model.config, blocks=args.blocks or min(DEFAULT_BLOCKS, model.config.n_layers))
+    scheme = llama_scheme(args.scheme, model.config, blocks=args.blocks)
     tx = optax.adamw(args.lr)
     train_step = lm_train_step(graphdef, tx)
 

@@ -350,21 +350,34 @@ def _file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _same_option(name: str, given: Any, saved: FinetuneConfig) -> bool:
-    """Whether ``given`` means the same as the run's value of ``name``."""
-    from pockjax.train.schemes import DEFAULT_BLOCKS, SCHEMES
+def _same_option(name: str, given: Any, saved: FinetuneConfig, n_layers: int | None = None) -> bool:
+    """Whether ``given`` means the same as the run's value of ``name``.
+
+    ``blocks`` compares the block counts trained on the run's ``n_layers``
+    (:func:`~pockjax.schemes.paper_blocks`: None is the registry's default).
+    """
+    from pockjax.train.schemes import SCHEMES, paper_blocks
 
     have = getattr(saved, name)
     if name == "lr":
         return float(DEFAULT_LR.get(saved.optimizer, 0) if have is None else have) == \
             float(DEFAULT_LR.get(saved.optimizer, 0) if given is None else given)
-    if name == "blocks":
-        return (DEFAULT_BLOCKS if have is None else have) == (DEFAULT_BLOCKS if given is None else given)
+    if name == "blocks" and n_layers is not None:
+        return paper_blocks(n_layers, have) == paper_blocks(n_layers, given)
     if name == "data" and have and given:
         return os.path.abspath(have) == os.path.abspath(given)
     if name == "scheme" and have not in SCHEMES and given not in SCHEMES:
         return os.path.abspath(str(have)) == os.path.abspath(str(given))
     return have == given
+
+
+def _run_layers(out: str) -> int | None:
+    """The block count of the model in ``out`` (its ``config.json``), or None if unreadable."""
+    try:
+        with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+            return int(json.load(f)["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _resume_config(cfg: FinetuneConfig, out: str, run: dict, given: set[str]) -> FinetuneConfig:
@@ -373,19 +386,21 @@ def _resume_config(cfg: FinetuneConfig, out: str, run: dict, given: set[str]) ->
     Raises FinetuneError listing every option in ``given`` that differs from the
     run's and decides its result (:data:`RESULT_FIELDS`).
     """
-    from pockjax.train.schemes import DEFAULT_BLOCKS
+    from pockjax.train.schemes import paper_blocks
 
     saved = FinetuneConfig.from_dict(run["config"])
+    n_layers = _run_layers(out)
 
     def shown(name, value):
         if value is None and name == "lr":
             return f"{DEFAULT_LR.get(saved.optimizer, 0):g} (default)"
         if value is None and name == "blocks":
-            return f"{DEFAULT_BLOCKS} (default)"
+            return "the default" if n_layers is None else f"{paper_blocks(n_layers)} (default)"
         return repr(value)
 
     diffs = [f"{_flag(k)}: the run has {shown(k, getattr(saved, k))}, given {shown(k, getattr(cfg, k))}"
-             for k in RESULT_FIELDS if k in given and not _same_option(k, getattr(cfg, k), saved)]
+             for k in RESULT_FIELDS
+             if k in given and not _same_option(k, getattr(cfg, k), saved, n_layers)]
     if diffs:
         raise FinetuneError(
             f"cannot resume {out} with other options than its own ({'; '.join(diffs)}): they decide"

@@ -49,6 +49,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from pockjax.errors import TargetError
+
 __all__ = [
     "Target", "TARGETS", "resolve", "names", "DEFAULT_CUDA_ARCH", "DEFAULT_VULKAN_TARGET", "DATA_TILING_FLAGS",
     "DATA_TILING_MIN_MACS",
@@ -210,10 +212,10 @@ def resolve(
     if isinstance(target, Target):
         return target
     if unknown:
-        raise ValueError(f"unknown target options {sorted(unknown)}; known: cpu, features, arch, triple, "
+        raise TargetError(f"unknown target options {sorted(unknown)}; known: cpu, features, arch, triple, "
                          "static_library, stack_allocation_limit, data_tiling, extra_flags")
     if target not in _TABLE:
-        raise ValueError(f"unknown IREE target {target!r}; known targets: {names()}")
+        raise TargetError(f"unknown IREE target {target!r}; known targets: {names()}")
     backend, driver, defaults, desc = _TABLE[target]
     opts = dict(defaults)
     given = {"cpu": cpu, "features": features, "arch": arch, "triple": triple}
@@ -235,7 +237,7 @@ def resolve(
     out_triple = None
     if backend == "llvm-cpu":
         if any(k in given and given[k] is not None for k in ("arch",)):
-            raise ValueError(f"option 'arch' applies to GPU targets, not {target!r}; use cpu= or features=")
+            raise TargetError(f"option 'arch' applies to GPU targets, not {target!r}; use cpu= or features=")
         out_triple = opts.get("triple") or _host_triple()
         flags += _cpu_flags(opts.get("triple"), opts.get("cpu"), opts.get("features"), opts.get("data_tiling") is True)
         if "static_library" in opts:
@@ -246,9 +248,9 @@ def resolve(
     else:
         bad = [k for k in ("cpu", "features", "triple") if given.get(k) is not None and not (target == "dsp")]
         if bad:
-            raise ValueError(f"options {bad} apply to CPU targets, not {target!r}")
+            raise TargetError(f"options {bad} apply to CPU targets, not {target!r}")
         if "static_library" in opts or "stack_allocation_limit" in opts or data_tiling is not None:
-            raise ValueError(
+            raise TargetError(
                 f"static_library/stack_allocation_limit/data_tiling apply to llvm-cpu targets, not {target!r}"
             )
         if backend == "cuda":

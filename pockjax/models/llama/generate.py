@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pockjax.errors import InputError
 from pockjax.models.llama.model import Llama, init_cache, stack_layers
 
 __all__ = ["check_finite_weights", "generate", "generate_text", "sample_logits"]
@@ -152,18 +153,18 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
       [4, 4]
     """
     if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be at least 1")
+        raise InputError("max_new_tokens must be at least 1")
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+        raise InputError("every prompt needs at least one token")
     batch_size = batch_size or len(prompts)
     longest = max(len(p) for p in prompts)
     pad_len = -(-longest // pad_to_multiple) * pad_to_multiple
     limit = model.config.max_seq_len
     if longest + max_new_tokens > limit:
-        raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds"
+        raise InputError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds"
                          f" the model's context of {limit} tokens")
     pad_len = min(pad_len, limit - max_new_tokens)
     graphdef, state = nnx.split(model)

@@ -1,0 +1,161 @@
+"""Every numeric option of every ``pockjax`` command refuses nonsense before any work.
+
+argparse answers a bad value with one line naming the option
+(``pockjax plan: error: argument --layers: must be a whole number >= 1, got '-2'``)
+and exit status 2. No command runs here: the commands' functions are replaced
+by one that fails the test, so a value that slips through fails fast instead
+of starting a compilation, a download or a benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import pockjax.cli
+from pockjax import _cli_args
+
+BAD = [
+    # pockjax memory
+    ("memory", "--batch", "0"),
+    ("memory", "--batch", "-1"),
+    ("memory", "--batch", "1.5"),
+    ("memory", "--seq", "0"),
+    ("memory", "--blocks", "0"),
+    ("memory", "--remat-budget", "-1"),
+    ("memory", "--remat-budget", "nan"),
+    ("memory", "--remat-budget", "inf"),
+    # pockjax plan
+    ("plan", "--layers", "-2"),
+    ("plan", "--layers", "0"),
+    ("plan", "--budget-gb", "-1"),
+    ("plan", "--budget-gb", "0"),
+    ("plan", "--budget-gb", "nan"),
+    ("plan", "--budget-gb", "inf"),
+    ("plan", "--batch", "0"),
+    ("plan", "--seq", "-5"),
+    ("plan", "--blocks", "0"),
+    ("plan", "--sparse-blocks", "-1"),
+    # pockjax search
+    ("search", "--lr", "inf"),
+    ("search", "--lr", "nan"),
+    ("search", "--lr", "0"),
+    ("search", "--lr", "-0.5"),
+    ("search", "--batch-size", "0"),
+    ("search", "--seq-len", "0"),
+    ("search", "--seed", "-1"),
+    ("search", "--train-examples", "0"),
+    ("search", "--eval-examples", "-1"),
+    ("search", "--reference-blocks", "0"),
+    ("search", "--proxy-batches", "0"),
+    ("search", "--validate", "-1"),
+    ("search", "--validate-steps", "0"),
+    ("search", "--top", "-1"),
+    # pockjax export
+    ("export", "--target", "bogus"),
+    ("export", "--blocks", "0"),
+    ("export", "--batch-size", "0"),
+    ("export", "--seq-len", "-1"),
+    ("export", "--lr", "nan"),
+    ("export", "--lr", "-0.5"),
+    ("export", "--lr", "inf"),
+    # pockjax bench
+    ("bench", "--reps", "0"),
+    ("bench", "--batch", "0"),
+    ("bench", "--seq", "0"),
+    ("bench", "--steps", "0"),
+    ("bench", "--warmup", "-1"),
+    ("bench", "--quality-steps", "-1"),
+    ("bench", "--quality-batch", "0"),
+    ("bench", "--quality-seq", "0"),
+    ("bench", "--eval-examples", "0"),
+    ("bench", "--lr", "inf"),
+    ("bench", "--lora-lr", "nan"),
+    ("bench", "--sparse-lr", "0"),
+    ("bench", "--blocks", "0"),
+    ("bench", "--threads", "0"),
+    ("bench", "--seed", "-1"),
+    ("bench", "--timeout", "0"),
+    ("bench", "--timeout", "inf"),
+    # pockjax finetune, generate
+    ("finetune", "--lr", "nan"),
+    ("finetune", "--blocks", "0"),
+    ("generate", "--top-p", "0"),
+]
+
+# Values at the edge of each range that stay valid (a seed of 0, no printed rows, ...).
+GOOD = [
+    ["memory", "--remat-budget", "0", "--batch", "1", "--blocks", "1"],
+    ["plan", "--layers", "1", "--budget-gb", "0.5", "--sparse-blocks", "2"],
+    ["search", "--seed", "0", "--top", "0", "--validate", "0", "--eval-examples", "0", "--lr", "1e-3"],
+    ["export", "--target", "dsp", "--blocks", "1", "--lr", "0.1", "--out", "x"],
+    ["bench", "--warmup", "0", "--quality-steps", "0", "--seed", "0", "--timeout", "0.5"],
+]
+
+
+def _not_run(args):
+    raise AssertionError(f"pockjax {args.command} started work on bad input")
+
+
+@pytest.fixture
+def parser_without_work(monkeypatch):
+    """``pockjax.cli.build_parser`` whose commands fail the test if they run."""
+    build = pockjax.cli.build_parser
+
+    def build_parser():
+        parser = build()
+        for sub in _subparsers(parser).values():
+            sub.set_defaults(func=_not_run)
+        return parser
+
+    monkeypatch.setattr(pockjax.cli, "build_parser", build_parser)
+    return build_parser
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("command, option, value", BAD, ids=[" ".join(c) for c in BAD])
+def test_bad_number_is_one_line_naming_the_option(parser_without_work, capsys, command, option, value):
+    argv = [command, option, value] + (["--prompt", "hi"] if command == "generate" else [])
+    with pytest.raises(SystemExit) as exc:
+        pockjax.cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"pockjax {command}: error: argument ")
+    assert option in last and repr(value) in last
+
+
+def test_export_bogus_target_lists_the_targets(parser_without_work, capsys):
+    from pockjax.backends.iree.targets import names
+
+    with pytest.raises(SystemExit) as exc:
+        pockjax.cli.main(["export", "--target", "bogus", "--out", "x"])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --target" in last and "invalid choice: 'bogus'" in last
+    assert all(repr(t) in last for t in names())
+
+
+@pytest.mark.parametrize("argv", GOOD, ids=[a[0] for a in GOOD])
+def test_values_at_the_edge_of_the_range_are_accepted(parser_without_work, argv):
+    args = parser_without_work().parse_args(argv)
+    assert args.command == argv[0]
+
+
+def test_no_numeric_option_is_a_plain_int_or_float():
+    """A new numeric option takes one of pockjax._cli_args's checked types."""
+    checked = {getattr(_cli_args, n) for n in _cli_args.__all__ if callable(getattr(_cli_args, n))}
+    plain = []
+    for command, sub in _subparsers(pockjax.cli.build_parser()).items():
+        for action in sub._actions:
+            if action.type in (int, float):
+                plain.append(f"{command} {'/'.join(action.option_strings)}")
+            elif action.type is not None and action.type not in checked:
+                # a factory's result (int_at_least(2), float_in(...)) is named after its range
+                assert action.type.__module__ == _cli_args.__name__, (command, action.option_strings)
+    assert not plain, f"options that accept nan, inf or negative numbers unchecked: {plain}"
