@@ -92,8 +92,10 @@ def _cnn(sparse: bool):
         return ({"params": optax.apply_updates(variables["params"], upd),
                  "batch_stats": updates["batch_stats"]}, opt_state, loss)
 
-    rules = {"params.conv3.*": "full", "params.bn3.*": "full", "params.head.*": "full"} if sparse else {"*": "full"}
-    scheme = pockjax.UpdateScheme(rules)
+    if sparse:  # the last convolution, its BatchNorm and the head
+        scheme = pockjax.UpdateScheme({"params.conv3.*": "full", "params.bn3.*": "full", "params.head.*": "full"})
+    else:
+        scheme = pockjax.UpdateScheme.full()
     return train_step, scheme, (variables, tx.init(variables["params"])), (images, labels)
 
 

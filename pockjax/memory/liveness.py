@@ -431,14 +431,20 @@ _FUSIBLE_CONSUMERS = _FUSIBLE_PRODUCERS | prims(
 )
 
 
+@dataclasses.dataclass(eq=False)
 class _Program:
-    def __init__(self, values, nodes, in_ids, out_ids, donated, fuse):
-        self.values = values
-        self.nodes = nodes
-        self.in_ids = in_ids
-        self.out_ids = out_ids
-        self.donated = donated
-        self.fuse = fuse
+    """A flattened program with its inputs, outputs and donation, and the facts liveness needs."""
+
+    values: list
+    nodes: list
+    in_ids: list
+    out_ids: list
+    donated: list
+    fuse: Any
+
+    def __post_init__(self):
+        values, nodes, in_ids, out_ids, donated, fuse = (
+            self.values, self.nodes, self.in_ids, self.out_ids, self.donated, self.fuse)
         self.consumers: list[list[int]] = [[] for _ in values]
         for ni, node in enumerate(nodes):
             for v in node.ins:

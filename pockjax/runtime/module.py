@@ -236,7 +236,8 @@ class StatefulModule:
         return self.step(*batch, **named_batch)
 
 
-def _file_sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
+    """The SHA-256 of a file's bytes, as hex, read in 1 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -281,7 +282,7 @@ def load(
     module_path = os.path.join(directory, MODULE_FILE)
     if not os.path.exists(module_path):
         raise ModuleError(f"module file {module_path!r} is missing (metadata found, .vmfb not)")
-    if verify_checksum and meta.module_sha256 and _file_sha256(module_path) != meta.module_sha256:
+    if verify_checksum and meta.module_sha256 and file_sha256(module_path) != meta.module_sha256:
         raise ModuleError(f"{module_path!r} does not match the checksum in its metadata (was it replaced?)")
     tgt = meta.target
     if target is not None and target != tgt.get("name"):

@@ -56,6 +56,7 @@ from pockjax.io.atomic import atomic_directory, pid_alive, remove_stale_temporar
 from pockjax.io.jsonfile import read_json_object
 from pockjax.models import llama
 from pockjax.runtime.heap import process_rss_bytes
+from pockjax.runtime.module import file_sha256
 from pockjax.train.schemes import llama_scheme, load_scheme_file, save_scheme_file
 from pockjax.errors import NonFiniteError, SchemeError
 from pockjax.scheme import Frozen, Full
@@ -340,16 +341,6 @@ def _validate(cfg: FinetuneConfig) -> None:
             raise FinetuneError(f"--lr must be a finite number > 0, got {lr!r}")
 
 
-def _file_sha256(path: str) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _same_option(name: str, given: Any, saved: FinetuneConfig, n_layers: int | None = None) -> bool:
     """Whether ``given`` means the same as the run's value of ``name``.
 
@@ -495,7 +486,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
             raise FinetuneError(f"--steps {cfg.steps} is below the step the run in {out} has"
                                 f" reached ({reached}); its weights cannot go back: pass --steps"
                                 f" >= {reached}, or none (the run's own, {saved_run['config'].get('steps')})")
-        if cfg.data and saved_run.get("data_sha256") not in (None, _file_sha256(cfg.data)):
+        if cfg.data and saved_run.get("data_sha256") not in (None, file_sha256(cfg.data)):
             raise FinetuneError(f"cannot resume {out}: {cfg.data} changed since the run started"
                                 f" (its SHA-256 differs from the one in run.json)")
     elif out and os.path.exists(out) and os.listdir(out):
@@ -619,7 +610,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
            "effective": {"lr": cfg.lr or DEFAULT_LR[cfg.optimizer], "seq_len": batcher.seq_len,
                          "answer_window": window, "trainable_params": description.trainable}}
     if cfg.data:
-        run["data_sha256"] = _file_sha256(cfg.data)
+        run["data_sha256"] = file_sha256(cfg.data)
     last_saved = [start if cfg.resume else None]
 
     def diverged(step, loss, health, new_params, new_opt_state):

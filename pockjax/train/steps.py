@@ -113,7 +113,8 @@ def answer_train_step(graphdef: Any, tx: Any, window: int, *,
         >>> import jax.numpy as jnp, optax
         >>> from flax import nnx
         >>> from pockjax.models import llama
-        >>> graphdef, params = llama.split(llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0)))
+        >>> model = llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+        >>> graphdef, params = llama.split(model)
         >>> tx = optax.sgd(0.1)
         >>> step = answer_train_step(graphdef, tx, window=2)
         >>> batch = {"tokens": jnp.array([[5, 6, 7, 8]]), "targets": jnp.array([[6, 7, 8, 0]]),
