@@ -34,8 +34,10 @@ quickstart: setup
 test: setup system-deps
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
+# The quick check while working (under 3 minutes): everything not marked slow
+# (tests/slow_tests.txt lists the measured slow ones).
 test-fast: setup
-	$(PY) -m pytest -q -x -m "not slow"
+	$(PY) -m pytest -q -x -n 2 --dist loadfile -m "not slow"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

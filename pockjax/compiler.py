@@ -52,6 +52,12 @@ def default_passes(scheme: UpdateScheme | None, sparse_opt_state: bool = False, 
                    allow_nothing_trained: bool = False) -> Pass:
     """``sparse_grad(scheme)``, ``dce()``, then ``fold_dot_transpose()`` (no ``sparse_grad`` without a scheme).
 
+    The memory passes (:func:`~pockjax.inplace_update`,
+    :func:`~pockjax.reorder_for_memory`) are not in the default pipeline: measured
+    on XLA and IREE (``benchmarks/memory_passes.py``, docs/memory.md), neither
+    lowered a process's peak memory without slowing the step by more than 2%.
+    Chain them after these passes where the gradients set the peak.
+
     Example:
         >>> import pockjax
         >>> pockjax.default_passes(pockjax.UpdateScheme.full()).name

@@ -114,8 +114,10 @@ def test_memory_and_plan_reject_an_unknown_scheme_in_one_line(capsys):
     assert main(["plan", "--model", "tiny", "--scheme", "nope"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pockjax plan: error: unknown scheme 'nope'") and err.count("\n") == 1
-    assert main(["memory", "--model", "tiny", "--scheme", "paper", "--blocks", "0", "--no-plot"]) == 2
-    assert "--blocks must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # refused by the option's type, before any work
+        main(["memory", "--model", "tiny", "--scheme", "paper", "--blocks", "0", "--no-plot"])
+    assert exit_info.value.code == 2
+    assert "argument --blocks: must be a whole number >= 1, got '0'" in capsys.readouterr().err
 
 
 def test_unknown_name_and_config():
