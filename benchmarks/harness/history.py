@@ -25,7 +25,7 @@ import os
 from typing import Sequence
 
 from benchmarks.harness.common import cpu_name, median, read_results
-from pockjax.io.atomic import atomic_open
+from pockjax.io.atomic import save_figure
 from benchmarks.harness.runner import GOALS
 
 __all__ = ["SPEED_GOALS", "goal_history", "load_runs", "cpu_label", "history", "history_table", "plot_history"]
@@ -207,9 +207,4 @@ def plot_history(h: dict, path: str) -> str | None:
     fig.suptitle("pockjax bench --history: bars = a run's ratio (dark: goal met), dots = its rounds,"
                  " line = the goal", fontsize=9)
     fig.tight_layout()
-    try:
-        with atomic_open(path, "wb") as f:
-            fig.savefig(f, format=os.path.splitext(path)[1].lstrip(".").lower() or "png", dpi=110)
-    finally:
-        plt.close(fig)
-    return path
+    return save_figure(fig, path)

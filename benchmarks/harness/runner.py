@@ -37,7 +37,7 @@ from benchmarks.harness.common import (RANDOM_MODELS, BenchConfig, BenchError, G
                                   random_config, versions)
 from benchmarks.harness.rows import CPU_ONLY_ROWS, QUALITY_ROWS, ROWS, default_rows
 from pockjax.errors import FileFormatError
-from pockjax.io.atomic import (atomic_directory, atomic_open, remove_stale_temporaries, write_json,
+from pockjax.io.atomic import (atomic_directory, atomic_open, remove_stale_temporaries, save_figure, write_json,
                                write_text)
 from pockjax.io.jsonfile import read_json_object
 
@@ -599,12 +599,7 @@ def plot_results(results: dict, path: str) -> str | None:
     fig.suptitle(f"{cfg['model']} fp32, batch {cfg['batch']} x {cfg['seq']}; {where}; {results['date']}",
                  fontsize=10)
     fig.tight_layout()
-    try:
-        with atomic_open(path, "wb") as f:
-            fig.savefig(f, format=os.path.splitext(path)[1].lstrip(".").lower() or "png", dpi=110)
-    finally:
-        plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _write_results(results: dict, out: str) -> None:

@@ -37,6 +37,7 @@ __all__ = [
     "atomic_open",
     "atomic_output_path",
     "fsync_directory",
+    "save_figure",
     "fsync_tree",
     "is_temporary",
     "pid_alive",
@@ -214,6 +215,30 @@ def write_text(path: str | os.PathLike, text: str, *, encoding: str = "utf-8") -
     """
     with atomic_open(path, "w", encoding=encoding) as f:
         f.write(text)
+
+
+def save_figure(fig: Any, path: str | os.PathLike, *, dpi: int = 110) -> str:
+    """Save a Matplotlib figure atomically (format from the file's extension), then close it.
+
+    Example:
+        >>> import os, tempfile
+        >>> import matplotlib
+        >>> matplotlib.use("Agg")
+        >>> import matplotlib.pyplot as plt
+        >>> fig = plt.figure()
+        >>> path = save_figure(fig, os.path.join(tempfile.mkdtemp(), "plot.png"))
+        >>> open(path, "rb").read(8)[1:4]
+        b'PNG'
+    """
+    import matplotlib.pyplot as plt
+
+    path = os.fspath(path)
+    try:
+        with atomic_open(path, "wb") as f:
+            fig.savefig(f, format=os.path.splitext(path)[1].lstrip(".").lower() or "png", dpi=dpi)
+    finally:
+        plt.close(fig)
+    return path
 
 
 def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 1,

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
-from pockjax.io.atomic import atomic_open
+from pockjax.io.atomic import save_figure
 
 __all__ = ["plot_gain_vs_cost"]
 
@@ -48,9 +46,4 @@ def plot_gain_vs_cost(report: dict, path: str) -> str:
     b.set_title("gain by block and tensor kind")
     b.legend(fontsize=8, ncol=2)
     fig.tight_layout()
-    try:
-        with atomic_open(path, "wb") as f:
-            fig.savefig(f, format=os.path.splitext(path)[1].lstrip(".").lower() or "png", dpi=110)
-    finally:
-        plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -24,13 +24,9 @@ def answer_step_xla_options(vendor: str | None = None, avx512: bool | None = Non
       (:data:`XLA_OWN_DOT_KERNELS`). There the two were even on the
       projections, XLA's twice as fast on the attention products, and the
       step 2-6% faster.
-    * Anything with AVX-512: XLA's default, YNNPACK's fusions. On an Intel
-      Xeon they ran the SmolLM2 projections at 250-290 GFLOP/s against
-      165-230 for XLA's own kernels, and the step 7-8% faster (``paper``
-      0.86 / 0.84 s against 0.91 / 0.93 s, full 1.60 / 1.58 / 1.65 s against
-      1.74 / 1.76 / 1.72 s). On a Zen 5 EPYC the step was 5-7% faster
-      (``paper`` 0.483 s against 0.509 s, full 0.968 s against 1.034 s,
-      medians of 10 and 8 alternating steps).
+    * Anything with AVX-512: XLA's default, YNNPACK's fusions, which ran the
+      SmolLM2 projections faster than XLA's own kernels on an Intel Xeon and
+      made the step a few percent faster there and on a Zen 5 EPYC.
     * Anything else: XLA's default (not measured).
 
     Not for steps that project every position onto the vocabulary: on a
