@@ -4,6 +4,7 @@ nothing lost on a crash (the guards of DESIGN.md "Trust", each made to fire)."""
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 import pockjax
 from pockjax.cli import main as cli_main
 from pockjax.data import Batcher
-from pockjax.errors import NonFiniteError, SchemeError
+from pockjax.errors import FileFormatError, NonFiniteError, SchemeError
 from pockjax.models import llama
 from pockjax.train import FinetuneError, finetune
 from pockjax.train.finetune import WEIGHT_GROWTH_LIMIT
@@ -387,3 +388,12 @@ def test_health_scalar_in_the_compiled_step(target):
     bad = dict(batch, loss_mask=batch["loss_mask"].at[0, 1].set(jnp.nan))
     _, _, loss, health = step(p2, o2, bad)
     assert np.isnan(float(loss)) and not np.isfinite(float(health))
+
+
+def test_resume_with_corrupt_metrics_names_the_file(run4, tmp_path):
+    out = str(tmp_path / "run")
+    shutil.copytree(run4, out)
+    with open(os.path.join(out, "metrics.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(FileFormatError, match=r"metrics\.json:1: invalid JSON"):
+        finetune(cfg(out=out, resume=True, steps=6), **QUIET)

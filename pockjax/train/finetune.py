@@ -546,8 +546,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
             [jnp.asarray(v, dtype=ref.dtype) for v, ref in zip(leaves, opt_state.leaves)])
         start = int(trainer["step"])
         rng = np.asarray(trainer["rng"], np.uint32)
-        with open(os.path.join(out, "metrics.json"), encoding="utf-8") as f:
-            metrics = json.load(f)
+        metrics = read_json_object(os.path.join(out, "metrics.json"), what="run metrics")
         if metrics.get("step", start) != start or len(metrics.get("losses", ())) != start:
             raise FinetuneError(f"cannot resume from {out}: its metrics (step {metrics.get('step')},"
                                 f" {len(metrics.get('losses', ()))} losses) disagree with its"
