@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from _fault_steps import fault_script, run_script
+from _fault_steps import assert_heap_kept, fault_script, run_script
 
 
 pytestmark = pytest.mark.iree
@@ -26,6 +26,7 @@ _STEP = fault_script(
     scheme='llama_scheme("paper", config, blocks=1)',
     compile_args=', target="cpu"',
     report='{"retained": runtime.heap_retained()}',
+    steps=8,
 )
 
 
@@ -33,9 +34,8 @@ _STEP = fault_script(
 def test_iree_step_stops_faulting_its_transients_in_again():
     kept, default = run_script(_STEP, retain_heap=True), run_script(_STEP, retain_heap=False)
     assert kept["retained"] and not default["retained"]
-    # The first steps fault the heap in; after that the kept heap serves every step.
-    assert max(kept["faults"][3:]) < 2000, kept
-    assert min(default["faults"][3:]) > 10000, default
+    # The first three steps fault the heap in; after that the kept heap serves the steps.
+    assert_heap_kept(kept, default, warm_up=3, kept_below=2000, default_above=10000)
     assert kept["losses"] == default["losses"]  # the same arithmetic either way
 
 
