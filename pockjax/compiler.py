@@ -163,10 +163,23 @@ class CompiledStep(_RewrittenGraph):
     def _forwards_nothing(self) -> bool:
         return all(src is None for src in self.passthrough)
 
+    @functools.cached_property
+    def tree_call(self) -> Callable | None:
+        """``tree_call(*args)`` -> the output trees in one ``jax.jit`` dispatch, or None.
+
+        Set for XLA steps whose outputs are all computed and whose donated
+        inputs are whole arguments (see :class:`~pockjax.backends.xla.XlaExecutable`);
+        it raises :class:`~pockjax.backends.xla.SignatureChanged` for arguments
+        of another structure or signature.
+        """
+        return getattr(self.executable, "tree_call", None)
+
     def __call__(self, *args):
         flat, tree = jax.tree_util.tree_flatten(args)
         if tree != self.in_tree:
             raise StepSignatureError(f"arguments have structure {tree}, expected {self.in_tree}")
+        if self.tree_call is not None:
+            return self.tree_call(*args)
         return self.out_builder(self.call_flat(flat))
 
 
@@ -275,6 +288,8 @@ class CompiledFunction:
         self.xla_options = dict(xla_options or {})
         self._cache: dict = {}
         self._hot: dict = {}
+        # the last compiled XLA step callable over the argument trees (tree_call)
+        self._fast: Callable | None = None
 
     # -- public helpers ---------------------------------------------------------
     def lower(self, *args) -> Lowered:
@@ -312,11 +327,19 @@ class CompiledFunction:
     def __call__(self, *args):
         if args and _is_nnx_module(args[0]):
             return self._call_nnx(*args)
+        # Hottest path: the last compiled step as one jax.jit over the argument
+        # trees, whose C++ dispatch flattens them, checks the signature and
+        # builds the outputs. Another tree structure or signature makes it
+        # retrace, which raises SignatureChanged, and the paths below find
+        # (or compile) the step for these arguments.
+        fast = self._fast
+        if fast is not None:
+            try:
+                return fast(*args)
+            except SignatureChanged:
+                pass
         flat, tree = jax.tree_util.tree_flatten(args)
-        # Hot path: the step last compiled for this tree structure. Its XLA
-        # executable is a jax.jit whose C++ dispatch checks shapes and dtypes;
-        # a new signature makes it retrace, which raises SignatureChanged, and
-        # the slow path below compiles (or finds) the step for it.
+        # Hot path: the step last compiled for this tree structure (flat jit).
         hot = self._hot.get(tree)
         if hot is not None:
             try:
@@ -326,6 +349,9 @@ class CompiledFunction:
         compiled = self._functional_compiled(args)
         if isinstance(compiled.executable, XlaExecutable):
             self._hot[tree] = compiled
+            self._fast = compiled.tree_call
+            if compiled.tree_call is not None:
+                return compiled.tree_call(*args)
         return compiled.out_builder(compiled.call_flat(flat))
 
     # -- functional steps -------------------------------------------------------
@@ -409,7 +435,8 @@ class CompiledFunction:
                 if role in (PARAM, OPT_STATE, MODEL_STATE) and i not in forwarded
             ]
         if self.target is None:
-            executable = XlaExecutable(graph, computed, donate, self.xla_options)
+            executable = XlaExecutable(graph, computed, donate, self.xla_options,
+                                       in_tree=lowered.in_tree, out_builder=lowered.out_builder)
         else:
             from pockjax.backends.iree.step import IreeStepExecutable
 
@@ -483,24 +510,30 @@ class CompiledFunction:
         self._cache[key] = lowered
         return lowered, state_def, graphdef
 
+    @staticmethod
+    def _run(compiled: CompiledStep, leaves: list, batch: tuple):
+        """An NNX step's ``(new state leaves, aux)`` for its state leaves and batch."""
+        if compiled.tree_call is not None:
+            return compiled.tree_call(leaves, *batch)
+        return compiled.out_builder(compiled.call_flat(leaves + jax.tree.leaves(batch)))
+
     def _call_nnx(self, model, optimizer, *batch):
         from flax import nnx
 
         graphdef, state = nnx.split((model, optimizer))
         leaves, state_def = jax.tree_util.tree_flatten(state)
-        flat = leaves + jax.tree.leaves(batch)
         hot = self._hot.get(("nnx", graphdef, state_def))
         result = None
         if hot is not None:
             try:
-                result = hot.out_builder(hot.call_flat(flat))
+                result = self._run(hot, leaves, batch)
             except SignatureChanged:
                 pass
         if result is None:
             compiled, _, _ = self._nnx_compiled(model, optimizer, *batch, split=(graphdef, state))
             if isinstance(compiled.executable, XlaExecutable):
                 self._hot[("nnx", graphdef, state_def)] = compiled
-            result = compiled.out_builder(compiled.call_flat(flat))
+            result = self._run(compiled, leaves, batch)
         new_leaves, aux = result
         new_state = jax.tree_util.tree_unflatten(state_def, new_leaves)
         nnx.update((model, optimizer), new_state)

@@ -46,8 +46,40 @@ class SignatureChanged(Exception):
     """Raised while jax.jit retraces an XLA step for arguments of another signature."""
 
 
+def _donated_args(in_tree, donate: Sequence[int]) -> tuple[int, ...] | None:
+    """The whole arguments whose leaves are exactly the donated flat inputs, or None.
+
+    A step whose donated leaves are whole arguments (``params`` and
+    ``opt_state``, an NNX state list) can be called as ``jax.jit`` is, with
+    the argument trees as they are; any other pattern keeps the flat call.
+
+    Example:
+      >>> import jax
+      >>> tree = jax.tree.structure(({"a": 0, "b": 0}, [0], 0))
+      >>> _donated_args(tree, [0, 1, 2]), _donated_args(tree, []), _donated_args(tree, [0])
+      ((0, 1), (), None)
+    """
+    if in_tree is None or in_tree.num_nodes == 1:
+        return None
+    want, args, start = set(donate), [], 0
+    for i, child in enumerate(in_tree.children()):
+        leaves = set(range(start, start + child.num_leaves))
+        start += child.num_leaves
+        if leaves and leaves <= want:
+            args.append(i)
+            want -= leaves
+    return tuple(args) if not want else None
+
+
 class XlaExecutable:
     """The XLA backend: ``jax.jit`` of the transformed jaxpr, state donated.
+
+    When every graph output is computed (none forwards an input unchanged) and
+    the donated inputs are whole arguments, the step is a ``jax.jit`` over the
+    argument trees themselves (:attr:`tree_call`): flattening the arguments and
+    building the output trees then happen in jit's C++ dispatch, and a call
+    costs what a call of the user's own ``jax.jit`` costs. Otherwise it is a
+    ``jax.jit`` over the flat inputs.
 
     Args:
       graph: the rewritten step.
@@ -55,12 +87,14 @@ class XlaExecutable:
         (the others forward an input unchanged and are not returned).
       donate: flat input indices whose buffers the step may reuse.
       xla_options: XLA compiler options (see :func:`xla_compile_options`).
+      in_tree: the argument trees' structure (for :attr:`tree_call`).
+      out_builder: flat outputs -> the output trees (for :attr:`tree_call`).
     """
 
     name = "xla"
 
     def __init__(self, graph: "TrainGraph", computed_outputs: Sequence[int], donate: Sequence[int],
-                 xla_options: dict | None = None):
+                 xla_options: dict | None = None, *, in_tree=None, out_builder=None):
         closed = graph.closed_jaxpr
         inner = closed.jaxpr.replace(outvars=[closed.jaxpr.outvars[o] for o in computed_outputs])
         C.check_jaxpr(inner)
@@ -68,7 +102,7 @@ class XlaExecutable:
         avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in graph.in_avals]
         expected = [(tuple(a.shape), a.dtype) for a in avals]
 
-        def fun(*args):
+        def checked(args):
             # traced once per signature: the graph is valid for this one only
             # (a weak type changes nothing in an already typed jaxpr)
             got = [(tuple(x.aval.shape), x.aval.dtype) for x in args]
@@ -76,12 +110,31 @@ class XlaExecutable:
                 raise SignatureChanged()
             return run(*args)
 
+        def fun(*args):
+            return checked(args)
+
         self.options = xla_compile_options(jax.default_backend(), xla_options)
+        compiler_options = self.options or None
         # Calls go through jax.jit's C++ dispatch (the same per-call cost as the
         # user's own jax.jit); the ahead-of-time compile below fills its
         # compilation cache and serves cost and memory analysis.
-        self.jitted = jax.jit(fun, donate_argnums=tuple(donate), compiler_options=self.options or None)
-        lowered = self.jitted.lower(*avals)
+        self.jitted = jax.jit(fun, donate_argnums=tuple(donate), compiler_options=compiler_options)
+        self.in_tree = in_tree
+        #: ``tree_call(*args)``: the step over the argument trees (None: flat calls only).
+        self.tree_call = None
+        donated_args = _donated_args(in_tree, donate)
+        whole = out_builder is not None and len(computed_outputs) == len(closed.jaxpr.outvars)
+        if whole and donated_args is not None:
+            def tree_fun(*args):
+                flat, tree = jax.tree_util.tree_flatten(args)
+                if tree != in_tree:
+                    raise SignatureChanged()
+                return out_builder(checked(flat))
+
+            self.tree_call = jax.jit(tree_fun, donate_argnums=donated_args, compiler_options=compiler_options)
+            lowered = self.tree_call.lower(*jax.tree_util.tree_unflatten(in_tree, avals))
+        else:
+            lowered = self.jitted.lower(*avals)
         try:
             self.compiled = lowered.compile()
         except Exception as e:  # pragma: no cover - XLA failure reporting
@@ -94,4 +147,7 @@ class XlaExecutable:
             raise BackendError(f"XLA failed to compile the transformed step: {e}") from e
 
     def __call__(self, *flat_args):
+        if self.tree_call is not None:  # one compiled program: call it with the trees
+            out = self.tree_call(*jax.tree_util.tree_unflatten(self.in_tree, flat_args))
+            return jax.tree_util.tree_leaves(out)
         return self.jitted(*flat_args)

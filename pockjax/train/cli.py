@@ -11,6 +11,7 @@ from pockjax.train.finetune import DEFAULT_LR, FinetuneConfig
 from pockjax.train.schemes import SCHEMES
 
 _D = FinetuneConfig()
+_IMAGE_SIZE, _PER_CLASS = 64, 400  # the classifiers' defaults (ClassifierConfig)
 
 
 def _error(command: str, e: BaseException) -> int:
@@ -25,12 +26,51 @@ def _bad_input():
     return (PockjaxError, FileNotFoundError, KeyError, ValueError, OSError)
 
 
+def run_classifier(args: argparse.Namespace) -> int:
+    """``pockjax finetune --model mobilenetv2|all-minilm-l6-v2``: a classifier on a shipped task."""
+    from pockjax.train.classify import ClassifierConfig, finetune_classifier
+
+    given = given_options(args)
+    if args.resume or args.data or "seq_len" in given and args.model == "mobilenetv2":
+        what = "--resume" if args.resume else "--data" if args.data else "--seq-len"
+        return _error("finetune", ValueError(f"{what} is not available for --model {args.model}"
+                                             " (classifiers train on a built-in --task)"))
+    fields = {k: getattr(args, k) for k in ("model", "scheme", "blocks", "seed", "out")}
+    # options left at the LLaMA run's defaults take the classifier's own
+    for name in ("task", "optimizer", "lr", "steps", "batch_size", "eval_examples", "seq_len"):
+        if name in given and getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    fields.update(image_size=args.image_size, fraction=args.fraction,
+                  train_per_class=args.train_per_class or None, progress=not args.no_progress)
+    try:
+        metrics = finetune_classifier(ClassifierConfig(**fields))
+    except _bad_input() as e:
+        return _error("finetune", e)
+    except KeyboardInterrupt:
+        print("pockjax finetune: interrupted; nothing was saved", file=sys.stderr)
+        return 130
+    after = metrics.get("accuracy_after")
+    return 0 if after is None or not args.fail_below or after >= args.fail_below else 1
+
+
 def run_finetune(args: argparse.Namespace) -> int:
     import pockjax
+    from pockjax.train.classify import CLASSIFIERS
     from pockjax.train.finetune import finetune
 
     # Before JAX's first computation: each step reuses its working memory.
     pockjax.keep_step_memory(quiet=True)
+    if args.model in CLASSIFIERS:
+        return run_classifier(args)
+    if args.image_size != _IMAGE_SIZE or args.train_per_class != _PER_CLASS or args.fraction != 0.5:
+        return _error("finetune", ValueError("--image-size, --train-per-class and --fraction are for the"
+                                             " classifiers (--model mobilenetv2 or all-minilm-l6-v2)"))
+    from pockjax.data import TASKS
+
+    if args.task not in TASKS:
+        return _error("finetune", ValueError(f"--task {args.task!r} is not a LLaMA task; use one of"
+                                             f" {', '.join(sorted(TASKS))} (the vision and text tasks"
+                                             " are for --model mobilenetv2 / all-minilm-l6-v2)"))
 
     fields = {k: getattr(args, k) for k in (
         "model", "task", "data", "scheme", "blocks", "optimizer", "lr", "steps", "batch_size",
@@ -76,19 +116,29 @@ def run_generate(args: argparse.Namespace) -> int:
 def register(subparsers) -> None:
     """Adds ``finetune`` and ``generate`` to the ``pockjax`` command."""
     from pockjax.data import TASKS
+    from pockjax.data.text_classification import TEXT_TASKS
+    from pockjax.data.vision import VISION_TASKS
+    from pockjax.train.classify import CLASSIFIERS
 
     p = subparsers.add_parser(
-        "finetune", help="sparse fine-tuning of a LLaMA model on a task or a JSONL file",
-        description="Fine-tune a LLaMA model with a sparse update scheme (default: SmolLM2-135M"
+        "finetune", help="sparse fine-tuning of a LLaMA model, MobileNetV2 or a BERT encoder",
+        description="Fine-tune a pretrained model with a sparse update scheme (default: SmolLM2-135M"
                     " learns to reverse the words of a sentence with the PockEngine 'paper'"
-                    " scheme, about 3 minutes on a 2-core CPU).",
+                    " scheme, about 3 minutes on a 2-core CPU). --model mobilenetv2 fine-tunes"
+                    " ImageNet MobileNetV2 on a vision task (mnist5k), --model all-minilm-l6-v2"
+                    " a BERT encoder on a text task (tweet_polarity, tweet_sentiment).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # StoreGiven: --resume tells the options given from those left at their
     # defaults; a given one that decides the result must equal the run's own.
     p.add_argument("--model", default=_D.model, action=StoreGiven,
-                   help="smollm2-135m, a .gguf file, or a Hugging Face LLaMA directory")
-    p.add_argument("--task", default=_D.task, choices=sorted(TASKS), action=StoreGiven,
-                   help="built-in task")
+                   help="smollm2-135m, a .gguf file, or a Hugging Face LLaMA directory; or a"
+                        " classifier: " + ", ".join(CLASSIFIERS))
+    p.add_argument("--task", default=_D.task, action=StoreGiven,
+                   choices=sorted(TASKS) + sorted(VISION_TASKS) + sorted(TEXT_TASKS),
+                   help="built-in task (LLaMA: " + ", ".join(sorted(TASKS)) + "; vision: "
+                        + ", ".join(sorted(VISION_TASKS)) + "; text: " + ", ".join(sorted(TEXT_TASKS))
+                        + "; a classifier's default: " + ", ".join(
+                            f"{s.name} {s.default_task}" for s in CLASSIFIERS.values()) + ")")
     p.add_argument("--data", default=None, metavar="FILE.jsonl", action=StoreGiven,
                    help="Alpaca-format JSONL (instruction, input, output) instead of --task")
     p.add_argument("--scheme", default=_D.scheme, metavar="|".join(SCHEMES) + "|FILE",
@@ -121,6 +171,12 @@ def register(subparsers) -> None:
                    help="output directory: weights, tokenizer, scheme, metrics, resume state")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--image-size", type=positive_int, default=_IMAGE_SIZE,
+                   help="classifiers: image side in pixels (mobilenetv2)")
+    p.add_argument("--train-per-class", type=non_negative_int, default=_PER_CLASS,
+                   help="classifiers: training examples per class (0: all)")
+    p.add_argument("--fraction", type=probability, default=0.5,
+                   help="classifiers: the 'channels' scheme's fraction of output channels")
     p.add_argument("--fail-below", type=float_in(0.0, 1.0), default=None, metavar="ACC",
                    help="exit with status 1 if the held-out accuracy ends below ACC")
     p.set_defaults(func=run_finetune)
