@@ -316,7 +316,7 @@ def _variables(model) -> dict[str, np.ndarray]:
     """Every array variable of an NNX model (parameters, BatchNorm statistics) by path."""
     from flax import nnx
 
-    state = nnx.state(model, nnx.Param, nnx.BatchStat)
+    state = nnx.state(model, nnx.Any(nnx.Param, nnx.BatchStat))
     paths = leaf_paths(state)
     return {p: np.asarray(x) for p, x in zip(paths, jax.tree.leaves(state))}
 

@@ -1,0 +1,176 @@
+"""Classifier fine-tuning (pockjax/train/classify.py): MobileNetV2 and BERT through pockjax.compile.
+
+Small random models (no weight loading) for the step's guarantees; the CLI runs
+on the real pretrained weights and shipped data at a tiny budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import pockjax
+from pockjax.models.bert import BertClassifier, BertConfig
+from pockjax.models.mobilenetv2 import MobileNetV2, MobileNetV2Config
+from pockjax.schemes import get_scheme
+from pockjax.train.classify import classify_train_step, evaluate_classifier, train_classifier
+
+# five blocks (the first without an expand conv), so that each step compiles in seconds
+SMALL = MobileNetV2Config(width_mult=0.5, num_classes=5, dropout=0.0,
+                          inverted_residual_setting=((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 2, 2)))
+
+
+def _images(n=6, size=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.normal(size=(n, size, size, 3)), jnp.float32),
+            jnp.asarray(np.arange(n) % 5, jnp.int32))
+
+
+def _flat(tree):
+    return dict(zip(pockjax.leaf_paths(tree), (np.asarray(x) for x in jax.tree.leaves(tree))))
+
+
+@pytest.mark.parametrize("name", ["paper", "channels", "head-only", "bias-only"])
+def test_batchnorm_statistics_update_under_every_scheme(name):
+    # Running statistics are state the step does not differentiate: they move in
+    # train mode whatever the scheme trains, exactly as a plain forward moves them.
+    x, y = _images()
+    model = MobileNetV2(SMALL, rngs=nnx.Rngs(0))
+    twin = MobileNetV2(SMALL, rngs=nnx.Rngs(0))
+    model.train(), twin.train()
+    twin(x)  # the statistics one train-mode forward gives (the update does not change them)
+    scheme = get_scheme(name, SMALL)
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=scheme.nnx_wrt())
+    pockjax.compile(classify_train_step, scheme=scheme)(model, opt, x, y)
+    got, want = _flat(nnx.state(model, nnx.BatchStat)), _flat(nnx.state(twin, nnx.BatchStat))
+    assert len(got) == 2 * 16 and set(got) == set(want)  # mean and var of 16 BatchNorms
+    before = _flat(nnx.state(MobileNetV2(SMALL, rngs=nnx.Rngs(0)), nnx.BatchStat))
+    for path in got:
+        np.testing.assert_allclose(got[path], want[path], rtol=1e-4, atol=1e-6, err_msg=path)
+        assert not np.array_equal(got[path], before[path]), f"{path} did not update under {name}"
+
+
+def test_paper_step_trains_its_tensors_only_and_keeps_state_for_them_only():
+    x, y = _images()
+    model = MobileNetV2(SMALL, rngs=nnx.Rngs(0))
+    model.train()
+    scheme = get_scheme("paper", SMALL)
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=scheme.nnx_wrt())
+    before = _flat(nnx.state(model, nnx.Param))
+    trained = {p for p, r in zip(before, scheme.resolve_tree(nnx.state(model, nnx.Param)))
+               if not isinstance(r, pockjax.scheme.Frozen)}
+    step = pockjax.compile(classify_train_step, scheme=scheme)
+    losses = [float(step(model, opt, x, y)) for _ in range(4)]
+    after = _flat(nnx.state(model, nnx.Param))
+    assert losses[-1] < losses[0]
+    for path in before:
+        if path in trained:
+            assert not np.array_equal(before[path], after[path]), path
+        else:
+            assert np.array_equal(before[path], after[path]), path  # bitwise
+    # Adam's moments exist for the trained tensors only
+    mu = [p for p in pockjax.leaf_paths(nnx.state(opt.opt_state)) if ".mu." in f".{p}."]
+    assert {p.split("mu.", 1)[1] for p in mu} == trained
+
+
+def test_channel_rule_halves_the_trained_convs_weight_gradient():
+    # The trained conv's weight gradient is what the rule prunes: measured as the
+    # step's FLOPs with the conv trained (full / half its output channels) minus
+    # the same step with it frozen (the backward reaches it either way).
+    x, y = _images(8, 48)
+    conv = "blocks.3.expand.conv.kernel"
+    base = [("blocks.1.*.norm.bias", "full"), ("head.*", "full")]
+
+    def flops(rule):
+        scheme = pockjax.UpdateScheme(([(conv, rule)] if rule else []) + base)
+        model = MobileNetV2(SMALL, rngs=nnx.Rngs(0))
+        model.train()
+        opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=scheme.nnx_wrt())
+        compiled = pockjax.compile(classify_train_step, scheme=scheme).lower(model, opt, x, y).compile()
+        return pockjax.count_flops(compiled.graph.closed_jaxpr), compiled
+
+    frozen, _ = flops(None)
+    full, _ = flops("full")
+    half, compiled = flops(pockjax.channels(0.5))
+    cut = 1 - (half - frozen) / (full - frozen)
+    assert cut >= 0.45, (frozen, full, half)
+    # the rewritten graph's weight-gradient product has half the output channels
+    hidden, cin = SMALL.block_channels()[3][0], SMALL.block_channels()[2][1]
+    shapes = {tuple(v.aval.shape) for e in compiled.graph.closed_jaxpr.jaxpr.eqns
+              if e.primitive.name == "dot_general" for v in e.outvars}
+    assert (cin, hidden // 2) in shapes and (cin, hidden) not in shapes
+
+
+def test_bert_classifier_step_with_dropout_trains_the_paper_tensors():
+    config = BertConfig.tiny()
+    model = BertClassifier(config, 3, rngs=nnx.Rngs(0, dropout=1))
+    scheme = get_scheme("paper", model.config)
+    ids = jnp.asarray(np.random.default_rng(0).integers(4, config.vocab, (4, 12)), jnp.int32)
+    mask = jnp.ones_like(ids).at[:, 9:].set(0)
+    y = jnp.asarray([0, 1, 2, 0], jnp.int32)
+    before = _flat(nnx.state(model, nnx.Param))
+    losses = train_classifier(model, scheme, [(ids, mask, y)] * 3, optimizer="adam", lr=1e-2)
+    assert len(losses) == 3 and all(np.isfinite(losses))
+    after = _flat(nnx.state(model, nnx.Param))
+    resolved = dict(zip(before, scheme.resolve_tree(nnx.state(model, nnx.Param))))
+    for path, rule in resolved.items():
+        same = np.array_equal(before[path], after[path])
+        assert same == isinstance(rule, pockjax.scheme.Frozen), path
+    acc = evaluate_classifier(model, [ids, mask], np.asarray(y))
+    assert 0.0 <= acc <= 1.0
+
+
+def test_non_finite_loss_stops_training_with_a_clear_error():
+    x, y = _images()
+    model = MobileNetV2(SMALL, rngs=nnx.Rngs(0))
+    bad = x.at[0, 0, 0, 0].set(jnp.nan)
+    with pytest.raises(pockjax.NonFiniteError, match="the loss is nan"):
+        train_classifier(model, get_scheme("head-only", SMALL), [(bad, y)], optimizer="adam", lr=1e-3)
+
+
+def _cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "pockjax.cli", "finetune", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_cli_refuses_a_task_of_another_kind_and_llama_options():
+    out = _cli("--model", "mobilenetv2", "--task", "tweet_polarity")
+    assert out.returncode == 2 and "unknown vision task 'tweet_polarity'" in out.stderr
+    out = _cli("--model", "all-minilm-l6-v2", "--resume", "--out", "x")
+    assert out.returncode == 2 and "--resume is not available for --model all-minilm-l6-v2" in out.stderr
+    out = _cli("--task", "mnist5k", "--steps", "1")
+    assert out.returncode == 2 and "--task 'mnist5k' is not a LLaMA task" in out.stderr
+
+
+@pytest.mark.parametrize("model,extra", [
+    ("mobilenetv2", ["--image-size", "32", "--train-per-class", "8", "--batch-size", "16"]),
+    ("all-minilm-l6-v2", ["--seq-len", "24", "--train-per-class", "16", "--batch-size", "8"]),
+])
+def test_cli_finetunes_a_pretrained_classifier_on_shipped_data(tmp_path, model, extra):
+    out_dir = tmp_path / "run"
+    out = _cli("--model", model, "--steps", "3", "--eval-examples", "24", "--no-progress",
+               "--out", str(out_dir), *extra)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "held-out   accuracy" in out.stdout
+    metrics = json.loads((out_dir / "metrics.json").read_text())
+    assert metrics["model"] == model and metrics["steps"] == 3 and len(metrics["losses"]) == 3
+    assert 0.0 <= metrics["accuracy_before"] <= 1.0 and 0.0 <= metrics["accuracy_after"] <= 1.0
+    assert metrics["scheme"].startswith("paper")
+    scheme = pockjax.schemes.load_scheme_file(out_dir / "scheme.json")
+    assert scheme.name == metrics["scheme"]
+    from pockjax.io.safetensors import read_safetensors
+
+    weights = read_safetensors(out_dir / "model.safetensors")
+    assert "head.kernel" in weights
+    if model == "mobilenetv2":
+        assert "blocks.3.depthwise.norm.mean" in weights  # BatchNorm statistics saved too
+    assert not [p for p in os.listdir(tmp_path) if p != "run"]  # no temporaries left
