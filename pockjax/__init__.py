@@ -36,6 +36,7 @@ _EXPORTS = {
     "NonFiniteError": "pockjax.errors",
     "PockjaxError": "pockjax.errors",
     "SafetensorsError": "pockjax.errors",
+    "TorchCheckpointError": "pockjax.errors",
     "SchemeError": "pockjax.errors",
     "SchemeFileError": "pockjax.errors",
     "StepSignatureError": "pockjax.errors",

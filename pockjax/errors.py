@@ -61,6 +61,10 @@ class SafetensorsError(CheckpointError):
     """A ``.safetensors`` file is truncated or its header is malformed."""
 
 
+class TorchCheckpointError(CheckpointError):
+    """A PyTorch checkpoint that is corrupt, truncated, or holds more than tensors."""
+
+
 class TokenizerFileError(ModelFileError):
     """A tokenizer (``tokenizer.json``, ``tokenizer_config.json`` or GGUF metadata) is malformed."""
 

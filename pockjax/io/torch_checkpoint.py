@@ -29,7 +29,7 @@ Example:
     >>> read_torch_checkpoint(p)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    pockjax.io.torch_checkpoint.TorchCheckpointError: ...bad.pth: not a PyTorch checkpoint: ...
+    pockjax.errors.TorchCheckpointError: ...bad.pth: not a PyTorch checkpoint: ...
 """
 
 from __future__ import annotations
@@ -46,13 +46,9 @@ from typing import Any
 
 import numpy as np
 
-from pockjax.errors import CheckpointError, FileMissingError
+from pockjax.errors import FileMissingError, TorchCheckpointError
 
 __all__ = ["TORCH_STORAGE_DTYPES", "TorchCheckpointError", "read_torch_checkpoint"]
-
-
-class TorchCheckpointError(CheckpointError):
-    """A PyTorch checkpoint that is corrupt, truncated, or holds more than tensors."""
 
 
 #: ``torch.<Name>Storage`` -> numpy dtype name (the file's byte order is applied).
