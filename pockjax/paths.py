@@ -52,3 +52,40 @@ def leaf_paths(tree: Any, prefix: str = "") -> list[str]:
         path = ".".join(keypath_to_parts(keypath))
         out.append(f"{prefix}.{path}" if prefix and path else (prefix or path))
     return out
+
+
+def flatten_params(params: dict) -> dict[str, Any]:
+    """A nested dict of parameters as ``{dotted path: leaf}`` (the models' checkpoint naming).
+
+    Example:
+        >>> flatten_params({"layers": {0: {"attn": {"q": {"bias": 1}}}}})
+        {'layers.0.attn.q.bias': 1}
+    """
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            flat[prefix] = node
+
+    walk("", params)
+    return flat
+
+
+def unflatten_params(flat: dict[str, Any]) -> dict:
+    """Inverse of :func:`flatten_params` (digit path parts become int keys).
+
+    Example:
+        >>> unflatten_params({"layers.0.mlp.up.bias": 1})
+        {'layers': {0: {'mlp': {'up': {'bias': 1}}}}}
+    """
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        parts = [int(p) if p.isdigit() else p for p in path.split(".")]
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out

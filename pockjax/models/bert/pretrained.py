@@ -27,7 +27,6 @@ pooler) are skipped; any other tensor, or a missing one, is an error. A
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import tempfile
@@ -36,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from pockjax.io.packaged import packaged_file
 from pockjax.errors import (
     CheckpointError,
     FileMissingError,
@@ -100,17 +100,7 @@ def pretrained_path(name: str | os.PathLike) -> str:
                                 f" directory {name!r} exists; known: {sorted(PRETRAINED)} (or"
                                 f" pass a model directory or .zip)")
     package, filename, hint = PRETRAINED[key]
-    spec = importlib.util.find_spec(package)
-    if spec is None:
-        raise FileMissingError(f"pretrained model {name!r} is shipped by the Python package"
-                               f" {package.replace('_', '-')!r}, which is not installed."
-                               f" Install it with:\n    {hint}")
-    for loc in list(spec.submodule_search_locations or []):
-        candidate = os.path.join(loc, filename)
-        if os.path.isfile(candidate):
-            return candidate
-    raise FileMissingError(f"{filename} not found in the installed package {package};"
-                           f" reinstall it: {hint} --force-reinstall")
+    return packaged_file(package, filename, what=f"the files of pretrained model {name!r}", hint=hint)
 
 
 class _Files:

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pockjax.paths import flatten_params, unflatten_params  # noqa: F401  (re-exported)
 from pockjax.models.llama.config import LlamaConfig
 
 __all__ = [
@@ -609,41 +610,8 @@ def apply(graphdef: nnx.GraphDef, params: dict, tokens: jax.Array,
     return merge(graphdef, params)(tokens, positions, mask)
 
 
-def flatten_params(params: dict) -> dict[str, jax.Array]:
-    """Flattens a nested params dict to ``{"layers.0.attn.wq.kernel": array, ...}``.
-
-    Example:
-      >>> flatten_params({"a": {0: {"b": 1}}})
-      {'a.0.b': 1}
-    """
-    flat = {}
-
-    def walk(prefix, node):
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-        else:
-            flat[prefix] = node
-
-    walk("", params)
-    return flat
 
 
-def unflatten_params(flat: dict[str, Any]) -> dict:
-    """Inverse of :func:`flatten_params` (digit path parts become int keys).
-
-    Example:
-      >>> unflatten_params({"a.0.b": 1})
-      {'a': {0: {'b': 1}}}
-    """
-    out: dict = {}
-    for path, value in flat.items():
-        node = out
-        parts = [int(p) if p.isdigit() else p for p in path.split(".")]
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
-    return out
 
 
 def next_token_loss(logits: jax.Array, targets: jax.Array,

@@ -7,11 +7,10 @@ This module sits above the format loaders (:mod:`.gguf`, :mod:`.hf`,
 
 from __future__ import annotations
 
-import importlib.resources
-import importlib.util
 import os
 from typing import Any
 
+from pockjax.io.packaged import packaged_file
 from pockjax.errors import FileMissingError, UnknownModelError
 from pockjax.io.gguf import open_gguf
 from pockjax.models.llama.gguf import build_model, read_gguf
@@ -69,26 +68,9 @@ def pretrained_path(name: str | os.PathLike) -> str:
                                 f" {name!r} exists; known: {sorted(PRETRAINED)} (or pass a path"
                                 f" to a .gguf file or a model directory)")
     package, filename, hint = PRETRAINED[key]
-    spec = importlib.util.find_spec(package)
-    if spec is None:
-        raise FileMissingError(
-            f"pretrained model {name!r} is shipped by the Python package"
-            f" {package.replace('_', '-')!r}, which is not installed. Install it with:\n"
-            f"    {hint}\n(--no-deps: its own dependencies pull a llama.cpp build pockjax"
-            f" does not need)")
-    # the spec's location avoids importing the package (which imports llm)
-    for loc in list(spec.submodule_search_locations or []):
-        candidate = os.path.join(loc, filename)
-        if os.path.isfile(candidate):
-            return candidate
-    try:  # pragma: no cover - fallback for unusual installs (zip, namespace)
-        candidate = str(importlib.resources.files(package).joinpath(filename))
-    except Exception:  # pragma: no cover
-        candidate = ""
-    if not os.path.isfile(candidate):  # pragma: no cover
-        raise FileMissingError(f"{filename} not found in the installed package {package};"
-                               f" reinstall it: {hint} --force-reinstall")
-    return candidate  # pragma: no cover
+    return packaged_file(package, filename, what=f"the files of pretrained model {name!r}",
+                         hint=f"{hint} (--no-deps: its own dependencies pull a llama.cpp build"
+                              f" pockjax does not need)")
 
 
 def load_pretrained(name: str | os.PathLike = "smollm2-135m", *, dtype: Any = None,

@@ -22,7 +22,6 @@ keeps none).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Any
 
@@ -31,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pockjax.errors import CheckpointError, FileMissingError
+from pockjax.errors import CheckpointError
+from pockjax.io.packaged import packaged_file
 from pockjax.io.torch_checkpoint import read_torch_checkpoint
 from pockjax.paths import leaf_paths
 from pockjax.models.mobilenetv2.model import MobileNetV2, MobileNetV2Config, replace_head
@@ -52,18 +52,8 @@ def pretrained_path() -> str:
       FileMissingError: the package (or the file in it) is not installed; the
         message says to run ``make setup``.
     """
-    spec = importlib.util.find_spec(PRETRAINED_PACKAGE)
-    if spec is None:
-        raise FileMissingError(f"MobileNetV2's ImageNet weights are shipped by the Python package"
-                               f" {PRETRAINED_PACKAGE.replace('_', '-')!r}, which is not"
-                               f" installed; {_HINT}")
-    # the spec's location: no need to import the package
-    for loc in list(spec.submodule_search_locations or []):
-        candidate = os.path.join(loc, PRETRAINED_FILE)
-        if os.path.isfile(candidate):
-            return candidate
-    raise FileMissingError(f"{PRETRAINED_FILE} is missing from the installed package"
-                           f" {PRETRAINED_PACKAGE}; reinstall it: {_HINT}")
+    return packaged_file(PRETRAINED_PACKAGE, PRETRAINED_FILE,
+                         what="MobileNetV2's ImageNet weights", hint=_HINT)
 
 
 def _bn(prefix: str, target: str) -> list[tuple[str, str, str]]:
