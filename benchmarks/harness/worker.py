@@ -1,7 +1,8 @@
 """Runs one benchmark row in this interpreter: ``python -m benchmarks.harness.worker JOB OUT``.
 
 ``JOB`` is the JSON job :mod:`benchmarks.harness.runner` writes; ``OUT`` receives the
-row's result (or ``{"error": traceback}``), written atomically. Nothing but the
+row's result (or ``{"error": traceback}``), written atomically. A job with a
+``workload`` other than ``llama`` runs a row of :mod:`benchmarks.harness.classifier_rows`. Nothing but the
 row's own framework is imported before the row runs, so a PyTorch row's memory
 holds no JAX and the other way round.
 """
@@ -20,7 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     from pockjax.io.jsonfile import read_json_object
 
     job = read_json_object(argv[0], what="benchmark job")
-    from benchmarks.harness.rows import run_row
+    if job.get("workload", "llama") != "llama":  # pockjax bench --workload mobilenetv2 / minilm
+        from benchmarks.harness.classifier_rows import run_classifier_row as run_row
+    else:
+        from benchmarks.harness.rows import run_row
 
     try:
         result, rc = run_row(job), 0
