@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup system-deps finetune quickstart test test-fast clean
+.PHONY: setup system-deps bench-tf finetune quickstart test test-fast clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ setup: $(STAMP)
 
 system-deps:
 	bash .ci/system-deps.sh
+
+# TensorFlow (CPU) for the paper's baseline row of `pockjax bench --workload mobilenetv2`
+# (tf-keras-full), in a folder of its own so that the venv's packages stay as they are.
+bench-tf: setup
+	$(PIP) install -q --target $(VENV)/tf-ref "tensorflow-cpu==2.21.0"
 
 # The main job: a sparse fine-tune of the default model (SmolLM2-135M-Instruct)
 # on the default task (reverse the words of a sentence), about 3 minutes on 2 CPU cores.
