@@ -9,7 +9,10 @@ for LLaMA models, one unit per block x projection kind:
 * :mod:`~pockjax.search.contribution`: a first-order gain proxy from a few
   gradients, and short real fine-tunes to validate it;
 * :mod:`~pockjax.search.search`: the budgeted search and the scheme file;
-* :mod:`~pockjax.search.cli`: ``pockjax search``.
+* :mod:`~pockjax.search.cli`: ``pockjax search``;
+* :mod:`~pockjax.search.classifier`: the same question for MobileNetV2 and BERT
+  classifiers, answered by real short fine-tunes of each block x tensor kind
+  (``pockjax search --model mobilenetv2``).
 """
 
 from pockjax.search.units import KINDS, Unit, all_units, parse_unit, scheme_for, units_of_scheme

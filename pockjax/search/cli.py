@@ -13,6 +13,12 @@ check of the result; optionally real one-unit fine-tunes to validate the proxy
 ``scheme.json`` (``pockjax finetune --scheme``), ``report.json``, ``units.tsv``
 and ``gain_vs_cost.png``; prints the table of units by gain and cost.
 
+``--model mobilenetv2`` or ``all-minilm-l6-v2`` runs the classifiers' sensitivity
+analysis instead (:mod:`pockjax.search.classifier`: a short fine-tune of each
+block x tensor kind with the head, ``--steps``, ``--budget``)::
+
+    pockjax search --model mobilenetv2 --task mnist5k --blocks 7-16 --out search-mnv2
+
 Example (a tiny random model, so it runs in seconds):
   >>> import tempfile, os
   >>> out = tempfile.mkdtemp()
@@ -35,7 +41,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from pockjax._cli_args import non_negative_int, positive_finite_float, positive_int
+from pockjax._cli_args import StoreGiven, given_options, non_negative_int, positive_finite_float, positive_int
 
 __all__ = ["SearchConfig", "SearchError", "main", "register", "run_search", "parse_budget"]
 
@@ -157,6 +163,24 @@ def _fmt_bytes(n: float) -> str:
     return format_bytes(n)
 
 
+def write_outputs(out: str, scheme: Any, report: dict, cols: list[str]) -> None:
+    """``--out``: ``scheme.json`` (``pockjax finetune --scheme``), ``report.json`` and
+    ``units.tsv`` (``report["units"]``, columns ``cols``), each written atomically."""
+    from pockjax.io.atomic import atomic_open, write_json
+    from pockjax.schemes import save_scheme_file
+
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise SearchError(f"cannot create --out {out}: {e.strerror or e}") from None
+    save_scheme_file(os.path.join(out, "scheme.json"), scheme)
+    write_json(os.path.join(out, "report.json"), report, indent=1, ensure_ascii=True)
+    with atomic_open(os.path.join(out, "units.tsv"), "w") as f:
+        f.write("\t".join(cols) + "\n")
+        for r in report["units"]:
+            f.write("\t".join(str(r[c]) for c in cols) + "\n")
+
+
 def run_search(cfg: SearchConfig, *, log: Callable[[str], None] | None = None, model: Any = None,
                tokenizer: Any = None) -> dict:
     """Runs the whole search (see the module docstring); returns the report dict.
@@ -174,8 +198,8 @@ def run_search(cfg: SearchConfig, *, log: Callable[[str], None] | None = None, m
     from pockjax.search.search import search
     from pockjax.search.units import KINDS, all_units, scheme_for, units_of_scheme
     from pockjax.train.finetune import FinetuneConfig, _examples
-    from pockjax.io.atomic import atomic_open, remove_stale_temporaries, write_json
-    from pockjax.schemes import resolve_scheme, save_scheme_file
+    from pockjax.io.atomic import remove_stale_temporaries
+    from pockjax.schemes import resolve_scheme
 
     log = log or (lambda s: print(s, flush=True))
     t_start = time.perf_counter()
@@ -392,20 +416,10 @@ def run_search(cfg: SearchConfig, *, log: Callable[[str], None] | None = None, m
         f" gradients {timings['proxy_seconds']:.1f} s, search {timings['search_seconds']:.1f} s)")
 
     if cfg.out:
-        try:
-            os.makedirs(cfg.out, exist_ok=True)
-        except OSError as e:
-            raise SearchError(f"cannot create --out {cfg.out}: {e.strerror or e}") from None
-        save_scheme_file(os.path.join(cfg.out, "scheme.json"),
-                         scheme_for(result.units, name=f"searched ({len(result.units)} tensors,"
-                                                           f" budget {cfg.time_budget}/{cfg.memory_budget})"))
-        write_json(os.path.join(cfg.out, "report.json"), report, indent=1, ensure_ascii=True)
-        with atomic_open(os.path.join(cfg.out, "units.tsv"), "w") as f:
-            cols = ["unit", "gain", "abs_grad", "grad_norm", "params", "flops_alone", "weight_flops",
-                    "memory_alone", "chosen", "reference"]
-            f.write("\t".join(cols) + "\n")
-            for r in rows:
-                f.write("\t".join(str(r[c]) for c in cols) + "\n")
+        write_outputs(cfg.out, scheme_for(result.units, name=f"searched ({len(result.units)} tensors,"
+                                                             f" budget {cfg.time_budget}/{cfg.memory_budget})"),
+                      report, ["unit", "gain", "abs_grad", "grad_norm", "params", "flops_alone", "weight_flops",
+                               "memory_alone", "chosen", "reference"])
         if cfg.plot:
             from pockjax.search.plot import plot_gain_vs_cost
 
@@ -421,16 +435,20 @@ def register(subparsers) -> None:
         "search", help="find the tensors to fine-tune under a step-time and memory budget",
         description="Layer contribution analysis and a budgeted scheme search (PockEngine).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=d.model, help="smollm2-135m, a .gguf, a Hugging Face dir, or tiny")
-    p.add_argument("--task", default=d.task)
+    p.add_argument("--model", default=d.model, help="smollm2-135m, a .gguf, a Hugging Face dir, or tiny; or a"
+                   " classifier (mobilenetv2, all-minilm-l6-v2): the per-unit sensitivity analysis")
+    p.add_argument("--task", default=d.task, action=StoreGiven,
+                   help="built-in task (a classifier's default: mnist5k, tweet_polarity)")
     p.add_argument("--data", default=None, help="Alpaca JSONL instead of a built-in task")
-    p.add_argument("--batch-size", type=positive_int, default=d.batch_size)
-    p.add_argument("--seq-len", type=positive_int, default=None)
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size, action=StoreGiven)
+    p.add_argument("--seq-len", type=positive_int, default=None, action=StoreGiven)
     p.add_argument("--seed", type=non_negative_int, default=d.seed)
     p.add_argument("--train-examples", type=positive_int, default=d.train_examples)
-    p.add_argument("--eval-examples", type=non_negative_int, default=d.eval_examples)
-    p.add_argument("--lr", type=positive_finite_float, default=d.lr, help="AdamW learning rate (scales the gains)")
-    p.add_argument("--kinds", default=d.kinds, help="tensor kinds to consider")
+    p.add_argument("--eval-examples", type=non_negative_int, default=d.eval_examples, action=StoreGiven)
+    p.add_argument("--lr", type=positive_finite_float, default=d.lr, action=StoreGiven,
+                   help="AdamW learning rate (scales the gains)")
+    p.add_argument("--kinds", default=d.kinds, action=StoreGiven,
+                   help="tensor kinds to consider (classifiers: expand,depthwise,project or q,k,v,o,up,down)")
     p.add_argument("--blocks", default=None, help="candidate blocks, e.g. 10-29 (default: all)")
     p.add_argument("--reference", default=d.reference,
                    help="scheme the budgets refer to: a pockjax.schemes name (paper, full, ...), as pockjax"
@@ -451,17 +469,58 @@ def register(subparsers) -> None:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--top", type=non_negative_int, default=d.top, help="rows of the printed table")
     p.add_argument("--no-progress", action="store_true")
+    c = p.add_argument_group("classifiers (--model mobilenetv2 or all-minilm-l6-v2)")
+    c.add_argument("--steps", type=positive_int, default=None, help="fine-tuning steps per unit (default 20)")
+    c.add_argument("--budget", default=None,
+                   help="flops=X and/or params=X for the greedy scheme: paper, 0.5*paper, full, 2GFLOP, 200k"
+                        " (default: flops=paper)")
+    c.add_argument("--image-size", type=positive_int, default=None, help="image side in pixels (default 32)")
+    c.add_argument("--train-per-class", type=non_negative_int, default=None,
+                   help="training examples per class (default 100; 0: all)")
+    c.add_argument("--optimizer", default=None, help="adam (default), adamw, sgd, lion")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     """Runs the search; a :class:`~pockjax.errors.PockjaxError` (bad input) reaches
     :mod:`pockjax.cli`, which prints it in one line (exit 2); anything else is a bug."""
+    from pockjax.train.classify import CLASSIFIERS
+
+    if args.model in CLASSIFIERS:
+        return _run_classifier(args)
+    extra = [f"--{k.replace('_', '-')}" for k in ("steps", "budget", "image_size", "train_per_class", "optimizer")
+             if getattr(args, k) is not None]
+    if extra:
+        raise SearchError(f"{', '.join(extra)}: for the classifiers (--model mobilenetv2 or all-minilm-l6-v2)")
     fields = {f.name for f in dataclasses.fields(SearchConfig)}
     kw = {k: getattr(args, k) for k in fields if hasattr(args, k)}
     kw["plot"] = not args.no_plot
     kw["progress"] = not args.no_progress
     run_search(SearchConfig(**kw))
+    return 0
+
+
+def _run_classifier(args: argparse.Namespace) -> int:
+    """``pockjax search --model mobilenetv2|all-minilm-l6-v2`` (:mod:`pockjax.search.classifier`);
+    the LLaMA-only options are refused, the shared ones left unset take the classifier's defaults."""
+    from pockjax.search.classifier import ClassifierSearchConfig, run
+
+    d = SearchConfig()
+    llama_only = {"data": None, "train_examples": d.train_examples, "reference": d.reference,
+                  "reference_blocks": None, "time_budget": d.time_budget, "memory_budget": d.memory_budget,
+                  "proxy_batches": d.proxy_batches, "validate": 0, "validate_steps": d.validate_steps,
+                  "validate_blocks": None, "measure": False}
+    bad = [f"--{k.replace('_', '-')}" for k, v in llama_only.items() if getattr(args, k) != v]
+    if bad:
+        raise SearchError(f"{', '.join(bad)}: not for --model {args.model} (see the classifier options)")
+    given = given_options(args)
+    kw = {k: getattr(args, k) for k in ("model", "blocks", "seed", "out", "top", "steps", "budget", "image_size",
+                                         "train_per_class", "optimizer") if getattr(args, k) is not None}
+    kw.update({k: getattr(args, k) for k in ("task", "batch_size", "seq_len", "eval_examples", "lr", "kinds")
+               if k in given})
+    if kw.get("train_per_class") == 0:
+        kw["train_per_class"] = None
+    run(ClassifierSearchConfig(**kw, plot=not args.no_plot, progress=not args.no_progress))
     return 0
 
 

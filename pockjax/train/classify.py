@@ -31,6 +31,7 @@ Example (a tiny random MobileNetV2; the real run loads ImageNet weights):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -182,6 +183,18 @@ def train_classifier(model, scheme: pockjax.UpdateScheme, batches: Iterable[Sequ
     return losses
 
 
+@functools.lru_cache(maxsize=1)
+def _predictor():
+    """One ``nnx.jit`` of the argmax prediction, so that its compilations are cached across calls."""
+    from flax import nnx
+
+    @nnx.jit
+    def predict(m, *x):
+        return jnp.argmax(m(*x), axis=-1)
+
+    return predict
+
+
 def evaluate_classifier(model, inputs: Sequence[np.ndarray], labels: np.ndarray, *,
                         batch_size: int = 128) -> float:
     """Accuracy of ``model`` (put in eval mode) on ``inputs``/``labels``, in batches.
@@ -192,15 +205,9 @@ def evaluate_classifier(model, inputs: Sequence[np.ndarray], labels: np.ndarray,
       >>> 0.0 <= evaluate_classifier(m, [np.ones((5, 2), np.float32)], np.zeros(5, np.int32)) <= 1.0
       True
     """
-    from flax import nnx
-
     if hasattr(model, "eval"):
         model.eval()
-
-    @nnx.jit
-    def predict(m, *x):
-        return jnp.argmax(m(*x), axis=-1)
-
+    predict = _predictor()
     n = len(labels)
     if n == 0:
         raise InputError("no held-out examples to evaluate on")
