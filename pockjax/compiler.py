@@ -319,8 +319,17 @@ class CompiledFunction:
         """
         compiled = self.lower(*example_args).compile()
         if with_weights and getattr(compiled.executable, "name", None) == "iree":
-            flat = jax.tree.leaves(example_args)
+            if example_args and _is_nnx_module(example_args[0]):
+                # The NNX step's flat inputs: the state leaves of nnx.split((model, optimizer)), then the batch.
+                from flax import nnx
+
+                _, state = nnx.split(tuple(example_args[:2]))
+                flat = jax.tree.leaves(state) + jax.tree.leaves(example_args[2:])
+            else:
+                flat = jax.tree.leaves(example_args)
             exe = compiled.executable.exe
+            # Typed PRNG keys (an NNX model's dropout stream) cross the module boundary as their key data.
+            flat = [jax.random.key_data(x) if C.is_key_dtype(getattr(x, "dtype", None)) else x for x in flat]
             exe.set_state([np.asarray(flat[i]) for i in exe.metadata.state_inputs])
         return compiled.export(path, with_weights=with_weights)
 

@@ -1,9 +1,17 @@
-"""``pockjax export``: compile a LLaMA fine-tuning step for a device with IREE.
+"""``pockjax export``: compile a LLaMA or MobileNetV2 fine-tuning step for a device with IREE.
 
 Example::
 
     pockjax export --model smollm2-135m --scheme paper --target arm64 --out out/step-arm64
     pockjax export --model tiny --scheme full --target cpu --out /tmp/step
+    pockjax export --model mobilenetv2 --num-classes 10 --image-size 64 --batch-size 8 \
+        --target arm64 --out out/mnv2-arm64
+
+MobileNetV2 (``mobilenetv2``: torchvision's ImageNet weights with a fresh
+``--num-classes`` head; ``mobilenetv2-tiny``: a random width-0.35 model) exports
+the train-mode step of :func:`pockjax.train.classify.classify_train_step`
+(BatchNorm batch statistics and running-statistic updates, dropout) with Adam;
+its batch inputs are NHWC float32 images (normalised) and int32 labels.
 
 The output directory holds ``module.vmfb``, ``module.json`` and the initial
 weights; ``pockjax.runtime.load(dir)`` runs it without JAX.
@@ -27,7 +35,8 @@ def register(subparsers) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a .gguf / checkpoint path, or 'tiny'")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m, a .gguf / checkpoint path, 'tiny', mobilenetv2 or mobilenetv2-tiny")
     p.add_argument("--scheme", default="paper", help="full, paper, norm-only, channels, or a scheme JSON file")
     p.add_argument("--blocks", type=positive_int, default=None,
                    help="last blocks trained by paper/channels (default: the registry's depth rule,"
@@ -39,6 +48,8 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=positive_int, default=1)
     p.add_argument("--seq-len", type=positive_int, default=64)
     p.add_argument("--lr", type=positive_finite_float, default=1e-4)
+    p.add_argument("--num-classes", type=positive_int, default=10, help="MobileNetV2: classes of the new head")
+    p.add_argument("--image-size", type=positive_int, default=224, help="MobileNetV2: image height and width")
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=run_export)
 
@@ -53,6 +64,8 @@ def run_export(args) -> int:
     from pockjax.train.schemes import llama_scheme
     from pockjax.train.steps import lm_train_step
 
+    if args.model in ("mobilenetv2", "mobilenetv2-tiny"):
+        return _export_mobilenetv2(args)
     if args.model == "tiny":
         model = llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
     else:
@@ -72,4 +85,31 @@ def run_export(args) -> int:
     t0 = time.perf_counter()
     path = step.export(args.out, params, opt_state, *batch)
     print(f"exported a {args.scheme} step for {args.target} to {path} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _export_mobilenetv2(args) -> int:
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import pockjax
+    from pockjax.models import mobilenetv2
+    from pockjax.train.classify import classify_train_step, resolve_classifier_scheme
+
+    if args.model == "mobilenetv2-tiny":
+        config = mobilenetv2.MobileNetV2Config(width_mult=0.35, num_classes=args.num_classes)
+        model = mobilenetv2.MobileNetV2(config, rngs=nnx.Rngs(0, dropout=1))
+    else:
+        model = mobilenetv2.load_pretrained(num_classes=args.num_classes, rngs=nnx.Rngs(0, dropout=1))
+    model.train()
+    scheme = resolve_classifier_scheme(args.scheme, model.config, blocks=args.blocks)
+    optimizer = nnx.Optimizer(model, optax.adam(args.lr), wrt=scheme.nnx_wrt())
+    options = {k: v for k, v in (("cpu", args.cpu), ("arch", args.arch)) if v}
+    step = pockjax.compile(classify_train_step, scheme=scheme, target=args.target, target_options=options)
+    images = jnp.zeros((args.batch_size, args.image_size, args.image_size, 3), jnp.float32)
+    labels = jnp.zeros((args.batch_size,), jnp.int32)
+    t0 = time.perf_counter()
+    path = step.export(args.out, model, optimizer, images, labels)
+    print(f"exported a {args.scheme} MobileNetV2 step for {args.target} to {path} in {time.perf_counter() - t0:.1f} s")
     return 0

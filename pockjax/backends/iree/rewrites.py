@@ -25,6 +25,7 @@ registered as :class:`pockjax.backends.iree.workarounds.Workaround` entries.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -169,6 +170,34 @@ def scatter_add_to_select(fun: Callable, flat_avals: Sequence[Any]) -> Callable:
     """``fun`` with every one-update-per-element ``scatter-add`` turned into compare+select."""
     return rewrite_jaxpr_fun(fun, flat_avals, {J.P.scatter_add_p: _scatter_add_rule})
 
+
+
+def _reduce_sum_merged(x, *, axes, **params):
+    axes = tuple(sorted(axes))
+    if len(axes) < 2 or axes != tuple(range(axes[0], axes[-1] + 1)):
+        return None  # one axis, or axes that are not neighbours: as it is
+    first, last = axes[0], axes[-1]
+    merged = x.shape[:first] + (math.prod(x.shape[first:last + 1]),) + x.shape[last + 1:]
+    return lax.reduce_sum_p.bind(lax.reshape(x, merged), axes=(first,), **params)
+
+
+def merge_reduced_axes(fun: Callable, flat_avals: Sequence[Any]) -> Callable:
+    """``fun`` with each sum over neighbouring axes taken over one merged axis.
+
+    ``x.sum((0, 1, 2))`` of an NHWC tensor (BatchNorm's mean and its backward)
+    becomes ``x.reshape(N * H * W, C).sum(0)``: the same values, summed in
+    the same order of the elements.
+
+    Example:
+        >>> import numpy as np
+        >>> x = np.arange(48, dtype=np.float32).reshape(2, 2, 4, 3)
+        >>> f = merge_reduced_axes(lambda x: x - x.mean((0, 1, 2)), [x])
+        >>> bool(np.allclose(f(x), x - x.mean((0, 1, 2))))
+        True
+        >>> "reshape" in str(jax.make_jaxpr(f)(x))
+        True
+    """
+    return rewrite_jaxpr_fun(fun, flat_avals, {J.P.reduce_sum_p: _reduce_sum_merged})
 
 
 # Primitives that only move data: an operand computed from a step input through

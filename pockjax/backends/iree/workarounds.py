@@ -96,6 +96,26 @@ _register(
 
 _register(
     Workaround(
+        name="vulkan-merge-reduced-axes",
+        symptom="(no compiler error: wrong values from a sum over several axes)",
+        applies_to=("vulkan-spirv",),
+        fun_rewrite=_rewrites.merge_reduced_axes,
+        why=(
+            "IREE 3.13's vulkan-spirv backend computes x - mean(x, axes=(0, 1, 2)) of an NHWC "
+            "tensor (BatchNorm's centring, in its forward and backward) wrongly on Mesa "
+            "lavapipe, without any error: values off by up to 1e32 for a (4, 4, 4, 24) input, "
+            "and a MobileNetV2 step's gradients wrong below the head. The mean alone is right, "
+            "and so is the same computation with the three axes merged into one by a reshape. "
+            "The rewrite sums every run of neighbouring axes over one merged axis "
+            "(pockjax.backends.iree.rewrites.merge_reduced_axes); tests/test_vision_export.py "
+            "checks the case and the whole step against XLA."
+        ),
+    )
+)
+
+
+_register(
+    Workaround(
         name="scatter-add-to-select",
         symptom="op expected indices to be equal to batch rank or batch rank + 1",
         applies_to=("llvm-cpu", "vmvx", "vulkan-spirv", "cuda"),
