@@ -259,19 +259,25 @@ def _lr(cfg: ClassifierConfig) -> float:
     return cfg.lr if cfg.lr is not None else (0.01 if cfg.optimizer == "sgd" else 1e-3)
 
 
-def _data(spec: ClassifierSpec, cfg: ClassifierConfig, task: str, tokenizer):
-    """``(train inputs, train labels, test inputs, test labels, class names)`` as numpy."""
+def _splits(spec: ClassifierSpec, cfg: ClassifierConfig, task: str):
+    """The task's seeded held-out split (images at ``cfg.image_size``, or texts)."""
     if spec.kind == "vision":
         from pockjax.data.vision import load_vision_task
+
+        return load_vision_task(task, seed=cfg.seed, image_size=cfg.image_size)
+    from pockjax.data.text_classification import load_text_task
+
+    return load_text_task(task, seed=cfg.seed)
+
+
+def _data(spec: ClassifierSpec, cfg: ClassifierConfig, s, tokenizer):
+    """``(train inputs, train labels, test inputs, test labels)`` of split ``s`` as model inputs."""
+    if spec.kind == "vision":
         from pockjax.models.mobilenetv2 import normalize
 
-        s = load_vision_task(task, seed=cfg.seed, image_size=cfg.image_size)
         tr_x, tr_y, te_x, te_y = s.train_images, s.train_labels, s.test_images, s.test_labels
         enc = lambda x: [np.asarray(normalize(x))]  # noqa: E731
     else:
-        from pockjax.data.text_classification import load_text_task
-
-        s = load_text_task(task, seed=cfg.seed)
         tr_x, tr_y, te_x, te_y = s.train_texts, s.train_labels, s.test_texts, s.test_labels
         enc = lambda x: list(tokenizer.encode_batch(list(x), cfg.seq_len, pad_to_max=True))  # noqa: E731
     rng = np.random.default_rng(cfg.seed)
@@ -285,7 +291,7 @@ def _data(spec: ClassifierSpec, cfg: ClassifierConfig, task: str, tokenizer):
     take = lambda xs, idx: (xs[idx] if isinstance(xs, np.ndarray) else [xs[i] for i in idx])  # noqa: E731
     train_inputs = enc(take(tr_x, keep))
     test_inputs = enc(take(te_x, te_keep)) if len(te_keep) else None
-    return train_inputs, tr_y[keep], test_inputs, te_y[te_keep], tuple(s.class_names)
+    return train_inputs, tr_y[keep], test_inputs, te_y[te_keep]
 
 
 def _batches(inputs: list[np.ndarray], labels: np.ndarray, batch_size: int, steps: int, seed: int):
@@ -349,15 +355,8 @@ def finetune_classifier(config: ClassifierConfig, *, log: Callable[[str], None] 
     if cfg.out:
         remove_stale_temporaries(os.path.dirname(os.path.abspath(cfg.out)))
     tasks = tasks_for(spec.kind)
-    # the number of classes decides the head: read the data's class names first
-    if spec.kind == "vision":
-        from pockjax.data.vision import load_vision_task
-
-        classes = load_vision_task(task, seed=cfg.seed, image_size=8, max_per_class=1).class_names
-    else:
-        from pockjax.data.text_classification import load_text_task
-
-        classes = load_text_task(task, seed=cfg.seed, max_per_class=1).class_names
+    splits = _splits(spec, cfg, task)  # its classes decide the head
+    classes = splits.class_names
     model, tokenizer = _load(spec, len(classes), cfg.seed)
     scheme = resolve_classifier_scheme(cfg.scheme, model.config, blocks=cfg.blocks, fraction=cfg.fraction)
     from flax import nnx
@@ -367,7 +366,7 @@ def finetune_classifier(config: ClassifierConfig, *, log: Callable[[str], None] 
     log(f"model {spec.name} ({total / 1e6:.2f}M parameters), task {task} ({len(classes)} classes:"
         f" {tasks[task]}), scheme {scheme.name or cfg.scheme}: {trainable / 1e6:.3f}M trainable"
         f" ({100 * trainable / max(total, 1):.1f}%)")
-    train_x, train_y, test_x, test_y, _ = _data(spec, cfg, task, tokenizer)
+    train_x, train_y, test_x, test_y = _data(spec, cfg, splits, tokenizer)
     log(f"data: {len(train_y)} training examples, {len(test_y)} held out")
 
     t = time.time()
