@@ -51,7 +51,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.harness.common import (BenchError, median, proc_peak_rss, proc_rss, reset_peak_rss, timed_steps,
+from benchmarks.harness.common import (BenchError, WarmMark, median, proc_peak_rss, timed_steps,
                                        trim_heap)
 from benchmarks.harness.rows import Row
 
@@ -353,12 +353,7 @@ def _train_and_measure(job: dict, data: _Data, step: Callable[[tuple], float], p
     process_peak = proc_peak_rss()
     ready = [prepare_batch(data.batch(i)) for i in range(len(data))] if speed else None
     trim_heap()
-    marks = {}
-
-    def warm():
-        trim_heap()
-        marks["rss"] = proc_rss()
-        reset_peak_rss()
+    warm = WarmMark()
 
     def run(i):
         return step(ready[i] if speed else prepare_batch(data.batch(i)))
@@ -366,7 +361,7 @@ def _train_and_measure(job: dict, data: _Data, step: Callable[[tuple], float], p
     n_warm, n_timed = (cfg.warmup, cfg.steps) if speed else (0, len(data))
     times, losses = timed_steps(run, n_warm, n_timed, on_warm=warm if speed else None)
     out = {"row": job["row"], "phase": job["phase"], "step_times": times, "losses": losses,
-           "setup_s": setup_s, "train_peak_rss": proc_peak_rss(), "rss_before_train": marks.get("rss", proc_rss()),
+           "setup_s": setup_s, "train_peak_rss": proc_peak_rss(), "rss_before_train": warm.rss_before_train(),
            "process_peak_rss": max(process_peak, proc_peak_rss()), **extra}
     if not speed:
         out["accuracy"] = float(accuracy())

@@ -307,6 +307,29 @@ def reset_peak_rss() -> bool:
         return False
 
 
+class WarmMark:
+    """``on_warm`` of :func:`timed_steps` for the rows: trims the heap, records the RSS
+    then and resets the RSS peak, so that the training peak is measured alone.
+
+    Example:
+      >>> mark = WarmMark()
+      >>> mark(); mark.rss > 0 and mark.rss_before_train() == mark.rss
+      True
+    """
+
+    def __init__(self):
+        self.rss: int | None = None
+
+    def __call__(self) -> None:
+        trim_heap()
+        self.rss = proc_rss()
+        reset_peak_rss()
+
+    def rss_before_train(self) -> int:
+        """The RSS recorded after warm-up (now, if warm-up never ran)."""
+        return self.rss if self.rss is not None else proc_rss()
+
+
 def trim_heap() -> None:
     """Gives freed heap pages back to the OS (glibc ``malloc_trim``): done by every
     row after loading, so a loader's freed temporaries do not stay in its RSS."""

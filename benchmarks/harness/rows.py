@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.harness.common import (BenchConfig, proc_peak_rss, proc_rss, reset_peak_rss, row_lr,
+from benchmarks.harness.common import (BenchConfig, WarmMark, proc_peak_rss, row_lr,
                                   timed_steps, trim_heap)
 
 __all__ = ["ROWS", "DEFAULT_ROWS", "QUALITY_ROWS", "CPU_ONLY_ROWS", "Row", "default_rows", "run_row"]
@@ -188,12 +188,7 @@ def torch_row(job: dict) -> dict:
         opt.step()
         return loss.item()
 
-    marks = {}
-
-    def warm():
-        trim_heap()
-        marks["rss"] = proc_rss()
-        reset_peak_rss()
+    warm = WarmMark()
 
     n_warm, n_timed = _counts(job, cfg, len(batches))
     counted = {}
@@ -221,7 +216,7 @@ def torch_row(job: dict) -> dict:
         if kind == "lora":
             model = model.merge_and_unload()
         _save_torch(model, job["save"])
-    return _finish(job, times, losses, setup_s, train_peak, marks.get("rss", proc_rss()), extra)
+    return _finish(job, times, losses, setup_s, train_peak, warm.rss_before_train(), extra)
 
 
 def _torch_blas() -> dict:
@@ -386,12 +381,7 @@ def _jax_loop(job, cfg, run, t0, trainable_n, final_params, graphdef, compile_s=
     setup_s = time.perf_counter() - t0
     process_peak = proc_peak_rss()
     trim_heap()
-    marks = {}
-
-    def warm():
-        trim_heap()
-        marks["rss"] = proc_rss()
-        reset_peak_rss()
+    warm = WarmMark()
 
     n_warm, n_timed = _counts(job, cfg, n_batches)
     times, losses = timed_steps(run, n_warm, n_timed, on_warm=warm)
@@ -408,7 +398,7 @@ def _jax_loop(job, cfg, run, t0, trainable_n, final_params, graphdef, compile_s=
         from pockjax.models import llama
 
         llama.save_hf_checkpoint(llama.merge(graphdef, final_params()), job["save"])
-    return _finish(job, times, losses, setup_s, train_peak, marks.get("rss", proc_rss()), extra)
+    return _finish(job, times, losses, setup_s, train_peak, warm.rss_before_train(), extra)
 
 
 def pockjax_row(job: dict) -> dict:
