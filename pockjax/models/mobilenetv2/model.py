@@ -327,8 +327,8 @@ def batch_norm_train(x: jax.Array, scale: jax.Array, bias: jax.Array, epsilon: f
     """Train-mode BatchNorm over every axis but the last: ``(y, mean, biased variance)``.
 
     The values of ``nnx.BatchNorm`` in train mode (``use_fast_variance``:
-    ``E[x^2] - E[x]^2``, floored at 0). The statistics take one pass over
-    ``x`` and the gradient one more (:func:`_sum_all_but_last`): ``dx = scale
+    ``E[x^2] - E[x]^2``, floored at 0). The gradient takes one pass over
+    ``x`` and ``g`` for both its sums (:func:`_sum_all_but_last`): ``dx = scale
     * rstd * (g - mean(g) - xhat * mean(g * xhat))``, with the gradient through
     the returned statistics added (zero when only the running averages use
     them).
@@ -345,7 +345,11 @@ def batch_norm_train(x: jax.Array, scale: jax.Array, bias: jax.Array, epsilon: f
 
 def _bn_forward(x, scale, bias, epsilon):
     n = x.size // x.shape[-1]
-    s1, s2 = _sum_all_but_last(x, x * x)
+    # two library sums, as nnx.BatchNorm computes them (the partial-rows pass of
+    # _sum_all_but_last here moved an export's BatchNorm-bias momentum, 3 SGD steps of a
+    # random-init model, 1.1e-4 away from XLA's: the sum of a gradient that nearly cancels)
+    axes = tuple(range(x.ndim - 1))
+    s1, s2 = jnp.sum(x, axis=axes), jnp.sum(x * x, axis=axes)
     mean = s1 / n
     var = jnp.maximum(s2 / n - mean * mean, 0.0)
     rstd = lax.rsqrt(var + epsilon)
