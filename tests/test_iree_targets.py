@@ -348,7 +348,7 @@ def test_cpu_data_tiling_full_step_needs_no_multi_use_fusion_workaround(monkeypa
     from pockjax.train.schemes import llama_scheme
     from pockjax.train.steps import lm_train_step
 
-    cfg = llama.LlamaConfig.tiny()
+    cfg = llama.LlamaConfig.tiny(n_layers=1)  # one block is enough to hit it
     graphdef, params = llama.split(llama.Llama(cfg, rngs=nnx.Rngs(0)))
     tx = optax.adamw(1e-3)
     scheme = llama_scheme("full", cfg)

@@ -190,19 +190,23 @@ def test_architecture_and_paths():
 @pytest.mark.parametrize("train", [False, True])
 def test_both_conv_lowerings_compute_the_same_model(train):
     # "matmul" (the default: 1x1 as matmuls, depth-wise as shifted multiply-adds)
-    # against XLA convolutions throughout, with the same weights
-    small = dict(width_mult=0.35, num_classes=7)
+    # against XLA convolutions throughout, with the same weights; five blocks (one
+    # without an expand conv, strided ones, residual ones) and one compiled forward each
+    small = dict(width_mult=0.35, num_classes=7,
+                 inverted_residual_setting=((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 2, 2)))
     a = MobileNetV2(MobileNetV2Config(**small), rngs=nnx.Rngs(3))
     b = MobileNetV2(MobileNetV2Config(conv_lowering="conv", **small), rngs=nnx.Rngs(3))
-    x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 40, 40, 3)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 32, 32, 3)), jnp.float32)
     if train:
         a.train(), b.train()
         for m in (a, b):
             m.dropout.deterministic = True
-    np.testing.assert_allclose(np.asarray(a(x)), np.asarray(b(x)), atol=1e-4, rtol=1e-4)
+    forward = nnx.jit(lambda m, x: m(x))
+    np.testing.assert_allclose(np.asarray(forward(a, x)), np.asarray(forward(b, x)), atol=1e-4, rtol=1e-4)
     if train:  # the running statistics moved alike
         np.testing.assert_allclose(np.asarray(a.blocks[3].depthwise.norm.var[...]),
                                    np.asarray(b.blocks[3].depthwise.norm.var[...]), rtol=1e-4, atol=1e-6)
+        assert not np.allclose(np.asarray(a.blocks[3].depthwise.norm.var[...]), 1.0)  # from their initial 1
 
 
 def test_unknown_conv_lowering_is_refused():

@@ -9,6 +9,8 @@ it computes the gradient explicitly, masks it, runs the optimizer and restores.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,9 +72,16 @@ def state_masks(opt_state, params, param_masks):
     return out
 
 
-def reference_step(model, tx, rules, params, opt_state, batch):
+def reference_masks(rules, params, opt_state):
+    """The entry masks of the parameters and of the optimizer-state leaves (None: unmasked)."""
+    masks = [entry_mask(r, np.shape(x)) for r, x in zip(rules, jax.tree.leaves(params))]
+    return masks, state_masks(opt_state, params, masks)
+
+
+def masked_step(model, tx, masks, smasks, params, opt_state, batch):
+    """The full step with the gradient masked, then the frozen (mask 0) entries of params
+    and optimizer state put back. Masks of ones make it the plain full step."""
     leaves, treedef = jax.tree.flatten(params)
-    masks = [entry_mask(r, np.shape(x)) for r, x in zip(rules, leaves)]
     loss, grads = jax.value_and_grad(model.loss)(params, batch)
     grads = jax.tree.unflatten(treedef, [g * m for g, m in zip(jax.tree.leaves(grads), masks)])
     updates, new_opt = tx.update(grads, opt_state, params)
@@ -80,12 +89,17 @@ def reference_step(model, tx, rules, params, opt_state, batch):
     new_params = jax.tree.unflatten(
         treedef, [jnp.where(m > 0, n, o) for n, o, m in zip(jax.tree.leaves(new_params), leaves, masks)]
     )
-    smasks = state_masks(opt_state, params, masks)
     new_opt_leaves = [
         n if m is None else jnp.where(m > 0, n, o)
         for n, o, m in zip(jax.tree.leaves(new_opt), jax.tree.leaves(opt_state), smasks)
     ]
-    return new_params, jax.tree.unflatten(jax.tree.structure(opt_state), new_opt_leaves), loss, masks, smasks
+    return new_params, jax.tree.unflatten(jax.tree.structure(opt_state), new_opt_leaves), loss
+
+
+def reference_step(model, tx, rules, params, opt_state, batch):
+    """The reference step for these rules: new params, new state, loss, and the masks."""
+    masks, smasks = reference_masks(rules, params, opt_state)
+    return (*masked_step(model, tx, masks, smasks, params, opt_state, batch), masks, smasks)
 
 
 # -- random schemes ---------------------------------------------------------------
@@ -122,11 +136,15 @@ def check_against_reference(model, opt_name, data, sparse_state=False):
     batch = model.batch(jax.random.key(1))
     scheme = data.draw(schemes(params))
     rules = scheme.resolve_tree(params)
-    # one warm-up step so optimizer state is non-trivial
     opt_state = tx.init(params)
-    params, opt_state, _ = jax.jit(make_step(model, tx))(params, opt_state, batch)
-
-    ref_params, ref_opt, ref_loss, masks, smasks = reference_step(model, tx, rules, params, opt_state, batch)
+    # The reference is compiled once with the masks as arguments (op-by-op dispatch of
+    # every example's shapes is slower): with masks of ones it is the full step, run
+    # once as a warm-up so that the optimizer state is non-trivial.
+    reference = jax.jit(functools.partial(masked_step, model, tx))
+    params, opt_state, _ = reference(*reference_masks([Full()] * len(rules), params, opt_state),
+                                     params, opt_state, batch)
+    masks, smasks = reference_masks(rules, params, opt_state)
+    ref_params, ref_opt, ref_loss = reference(masks, smasks, params, opt_state, batch)
 
     step = pockjax.compile(make_step(model, tx), scheme=scheme)
     if sparse_state:

@@ -15,11 +15,13 @@ The output directory (``--out``) is written atomically: ``model.safetensors``
 (every variable of the model: parameters and BatchNorm statistics, by path),
 ``scheme.json``, ``metrics.json`` and ``run.json``.
 
-Example (a tiny random MobileNetV2; the real run loads ImageNet weights):
+Example (a tiny random MobileNetV2 of three blocks; the real run loads ImageNet weights):
   >>> import numpy as np
   >>> from pockjax.models.mobilenetv2 import MobileNetV2, MobileNetV2Config
   >>> from flax import nnx
-  >>> model = MobileNetV2(MobileNetV2Config(num_classes=3, width_mult=0.25), rngs=nnx.Rngs(0))
+  >>> config = MobileNetV2Config(num_classes=3, width_mult=0.25,
+  ...                            inverted_residual_setting=((1, 16, 1, 1), (6, 24, 2, 2)))
+  >>> model = MobileNetV2(config, rngs=nnx.Rngs(0))
   >>> x = np.random.default_rng(0).random((8, 32, 32, 3), np.float32)
   >>> y = np.arange(8, dtype=np.int32) % 3
   >>> scheme = resolve_classifier_scheme("paper", model.config)

@@ -64,12 +64,12 @@ def lm_train_step(graphdef: Any, tx: Any) -> Callable:
     ``jax.value_and_grad`` over ``params`` (from ``llama.split``), then ``tx``.
 
     Example:
-        >>> import jax.numpy as jnp, optax
+        >>> import jax, jax.numpy as jnp, optax
         >>> from flax import nnx
         >>> from pockjax.models import llama
         >>> graphdef, params = llama.split(llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0)))
         >>> tx = optax.sgd(0.1)
-        >>> step = lm_train_step(graphdef, tx)
+        >>> step = jax.jit(lm_train_step(graphdef, tx))  # or pockjax.compile
         >>> t = jnp.ones((1, 4), jnp.int32)
         >>> params, _, loss = step(params, tx.init(params), t, t, jnp.ones((1, 4)))
         >>> loss.shape
@@ -106,13 +106,13 @@ def answer_train_step(graphdef: Any, tx: Any, window: int, *,
     ``(params, opt_state, loss, health)``.
 
     Example:
-        >>> import jax.numpy as jnp, optax
+        >>> import jax, jax.numpy as jnp, optax
         >>> from flax import nnx
         >>> from pockjax.models import llama
         >>> model = llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
         >>> graphdef, params = llama.split(model)
         >>> tx = optax.sgd(0.1)
-        >>> step = answer_train_step(graphdef, tx, window=2)
+        >>> step = jax.jit(answer_train_step(graphdef, tx, window=2))  # or pockjax.compile
         >>> batch = {"tokens": jnp.array([[5, 6, 7, 8]]), "targets": jnp.array([[6, 7, 8, 0]]),
         ...          "loss_mask": jnp.array([[0., 1., 1., 0.]]), "loss_start": jnp.array([1])}
         >>> params, _, loss = step(params, tx.init(params), batch)
