@@ -286,17 +286,12 @@ def _depthwise_bwd(stride, pad, res, g):
     for i, j, window in _taps(gp, k, 1, (h, w)):
         term = window * kernel[k - 1 - i, k - 1 - j, 0]
         dx = term if dx is None else dx + term
-    # kernel gradient: sum over (n, h, w) of each tap's window of x times g. One variadic
-    # reduction over the width computes all k * k taps in a single pass over x and g, its
-    # windows read in place (a separate sum per tap made XLA's CPU backend copy every window
-    # out for its library reduction: k * k copies of the activation); the (n, h) partial
-    # sums, a width-th of the size, are then summed per tap.
+    # kernel gradient: sum over (n, h, w) of each tap's window of x times g, all k * k taps
+    # in one pass with the windows read in place (_sum_all_but_last; a separate sum per tap
+    # made XLA's CPU backend copy every window out for its library reduction)
     xp = jnp.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
-    products = tuple(window * g for _, _, window in _taps(xp, k, stride, (ho, wo)))
-    zero = jnp.zeros((), products[0].dtype)
-    rows = lax.reduce(products, (zero,) * len(products),
-                      lambda a, b: tuple(u + v for u, v in zip(a, b)), (2,))
-    dk = jnp.stack([jnp.sum(r, axis=(0, 1)) for r in rows]).reshape(k, k, 1, c).astype(kernel.dtype)
+    products = [window * g for _, _, window in _taps(xp, k, stride, (ho, wo))]
+    dk = jnp.stack(_sum_all_but_last(*products)).reshape(k, k, 1, c).astype(kernel.dtype)
     return dx.astype(x.dtype), dk
 
 
