@@ -3,9 +3,9 @@
 A LLaMA-width step (dim 576, FFN 1536, 2 layers) at batch 32 x 128, compiled
 with the ``dot-operands-behind-barrier`` workaround (whose barriers split the
 step into hundreds of command buffers, each allocating its own transients),
-grows the process every step; at batch 4 x 128 the transients fit and it does
-not. With the default ``llvmcpu-no-multi-use-fusion`` workaround the step is a
-few command buffers and the batch-32 step does not grow either.
+grows the process every step. With the default ``llvmcpu-no-multi-use-fusion``
+workaround the step is a few command buffers and the batch-32 step does not grow
+(a smaller batch has smaller transients still).
 ``StatefulModule`` warns once (``MemoryGrowthWarning``) when it sees growth. If
 a future IREE gives the memory back, the first test fails and the note in
 ``pockjax/runtime/heap.py`` and ``docs/deploying.md`` should go.
@@ -75,13 +75,6 @@ def test_large_transients_grow_the_process_and_warn(monkeypatch):
     per_step = (rss[-1] - rss[1]) / 3
     assert per_step > 100 * 2**20, f"expected IREE's pool growth, got {per_step / 2**20:.0f} MiB per step"
     assert losses[-1] < losses[0]  # the steps themselves are right
-
-
-def test_transients_within_the_slab_do_not_grow_or_warn():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", runtime.MemoryGrowthWarning)
-        rss, _ = _run(batch_rows=4, steps=5)
-    assert (rss[-1] - rss[1]) / 3 < 20 * 2**20
 
 
 def test_default_cpu_step_at_batch_32_does_not_grow():
