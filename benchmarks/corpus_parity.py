@@ -14,7 +14,8 @@ per-call cost (flattening the state, the cache lookup, rebuilding the output
 trees: tens of microseconds, visible only on steps that take well under a
 millisecond).
 
-Usage: ``python benchmarks/corpus_parity.py [--scale 8] [--rounds 7] [--steps 20]``.
+Usage: ``python benchmarks/corpus_parity.py [--scale 8] [--rounds 7] [--steps 20]
+[--min-round-seconds 0.3]``.
 ``--scale`` multiplies the corpus's batch size (and image side for the CNNs),
 so that the step does real work rather than measuring dispatch alone.
 """
@@ -22,6 +23,7 @@ so that the step does real work rather than measuring dispatch alone.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -96,7 +98,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=int, default=8, help="batch (and image side) multiplier")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per round (at least)")
+    parser.add_argument("--min-round-seconds", type=float, default=0.3,
+                        help="more steps per round for fast programs, so that each timed round lasts"
+                             " this long (a 0.1 ms step timed 20 times is mostly timer and scheduler noise)")
     parser.add_argument("--only", default=None, help="comma-separated program names")
     args = parser.parse_args(argv)
 
@@ -116,15 +121,18 @@ def main(argv=None) -> int:
         pock = pockjax.compile(step, scheme=pockjax.UpdateScheme.full())
         run_jit, run_pock = _runner(program, jit), _runner(program, pock)
         run_exe = _executable_runner(program, pock)
+        steps = max(args.steps, math.ceil(args.min_round_seconds / run_jit(args.steps)))
         times = {"jit": [], "pockjax": [], "exe": []}
         runners = [("jit", run_jit), ("pockjax", run_pock), ("exe", run_exe)]
         for r in range(args.rounds):
             for key, run in runners[r % 3:] + runners[: r % 3]:  # rotate the order every round
-                times[key].append(run(args.steps))
+                times[key].append(run(steps))
         j, p, e = (statistics.median(times[k]) for k in ("jit", "pockjax", "exe"))
+        paired = sorted(pt / jt for pt, jt in zip(times["pockjax"], times["jit"]))  # same round, same conditions
         rows.append((name, j, p, p / j, e / j))
         print(f"{name:26s} jit {j * 1e3:8.3f} ms  pockjax {p * 1e3:8.3f} ms  ratio {p / j:5.3f}"
-              f"  executable alone {e * 1e3:8.3f} ms  ratio {e / j:5.3f}", flush=True)
+              f" (rounds {paired[0]:.3f}-{paired[-1]:.3f})  executable alone {e * 1e3:8.3f} ms"
+              f"  ratio {e / j:5.3f}  [{steps} steps/round]", flush=True)
     worst = max(r[3] for r in rows)
     print(f"\nworst ratio {worst:.3f} (goal <= 1.03); median ratio {statistics.median(r[3] for r in rows):.3f}")
     print(f"executable alone: worst ratio {max(r[4] for r in rows):.3f}, "

@@ -200,3 +200,15 @@ def cpu_backend_started() -> bool:
     from jax._src import xla_bridge
 
     return xla_bridge.backends_are_initialized()
+
+
+def set_variable_value(variable, value) -> None:
+    """``variable``'s value set as ``nnx.update`` sets it (flax 0.12): into a
+    mutable array reference in place, else as the raw value (no set-value hooks,
+    no copy)."""
+    from flax.nnx.variablelib import is_array_ref
+
+    if is_array_ref(variable.get_raw_value()):
+        variable[...] = value
+    else:
+        variable.set_raw_value(value, _unsafe_bypass_check=True)

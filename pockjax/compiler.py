@@ -475,9 +475,14 @@ class CompiledFunction:
         hit = self._cache.get(key)
         if hit is not None:
             return hit, state_def, graphdef
-        flat_vars = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
-        if len(leaves) != len(flat_vars):
-            raise StepSignatureError("unexpected NNX state layout: variables holding several arrays")
+        flat_vars = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)[0]
+        counts = [(".".join(keypath_to_parts(k)), len(jax.tree_util.tree_leaves(v))) for k, v in flat_vars]
+        several = [(path, n) for path, n in counts if n != 1]
+        if several:
+            path, n = several[0]
+            raise StepSignatureError(
+                f"{step_name(self.step)}: NNX variable {path} holds {n} arrays; pockjax compiles NNX"
+                " steps whose variables hold one array each (split it into one variable per array)")
         roles, paths = [], []
         for keypath, var in flat_vars:
             parts = keypath_to_parts(keypath)
@@ -544,9 +549,29 @@ class CompiledFunction:
                 self._hot[("nnx", graphdef, state_def)] = compiled
             result = self._run(compiled, leaves, batch)
         new_leaves, aux = result
-        new_state = jax.tree_util.tree_unflatten(state_def, new_leaves)
-        nnx.update((model, optimizer), new_state)
+        _write_back(state, new_leaves)
         return aux
+
+
+def _is_variable(x) -> bool:
+    from flax import nnx
+
+    return isinstance(x, nnx.Variable)
+
+
+def _write_back(state, new_leaves: list) -> None:
+    """Puts an NNX step's new state leaves into the model's and optimizer's variables.
+
+    ``nnx.split`` hands out the nodes' own ``Variable`` objects, and a compiled
+    NNX step holds one leaf per variable (:meth:`_nnx_lowered` refuses others):
+    setting their values as ``nnx.update`` does (:func:`pockjax._compat.set_variable_value`),
+    without walking the object graph a second time (about a third of a millisecond per call for a small CNN).
+    """
+    variables = jax.tree_util.tree_leaves(state, is_leaf=_is_variable)
+    if len(variables) != len(new_leaves):  # pragma: no cover - guarded at compile time
+        raise StepSignatureError(f"{len(new_leaves)} new state leaves for {len(variables)} variables")
+    for variable, value in zip(variables, new_leaves):
+        C.set_variable_value(variable, value)
 
 
 def compile(
