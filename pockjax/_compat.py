@@ -202,13 +202,14 @@ def cpu_backend_started() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
-def set_variable_value(variable, value) -> None:
-    """``variable``'s value set as ``nnx.update`` sets it (flax 0.12): into a
-    mutable array reference in place, else as the raw value (no set-value hooks,
-    no copy)."""
+def set_variable_values(variables, values) -> None:
+    """Each of ``variables`` set to its value as ``nnx.update`` sets it (flax 0.12):
+    into a mutable array reference in place, else as the raw value (no set-value
+    hooks, no copy)."""
     from flax.nnx.variablelib import is_array_ref
 
-    if is_array_ref(variable.get_raw_value()):
-        variable[...] = value
-    else:
-        variable.set_raw_value(value, _unsafe_bypass_check=True)
+    for variable, value in zip(variables, values):
+        if is_array_ref(variable.get_raw_value()):
+            variable[...] = value
+        else:
+            variable.set_raw_value(value, _unsafe_bypass_check=True)

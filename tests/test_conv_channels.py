@@ -10,6 +10,7 @@ pushed, anything else is computed whole and sliced afterwards.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -25,7 +26,7 @@ from pockjax.analysis import eqn_flops
 from pockjax.scheme import ChannelSelect
 from pockjax._src.jaxpr import walk
 from pockjax.transforms import slicing
-from test_sparse_semantics import copy_tree, reference_masks, reference_step
+from test_sparse_semantics import copy_tree, masked_step, reference_masks
 from toy_models import make_step
 
 
@@ -129,10 +130,10 @@ def check_values(model, rules):
     tx, params, opt_state, batch = _setup(model)
     scheme = pockjax.UpdateScheme(rules, default="frozen")
     resolved = scheme.resolve_tree(params)
-    # the reference in one XLA compile, rather than op-by-op dispatch
-    reference = jax.jit(lambda p, o, b: reference_step(model, tx, resolved, p, o, b)[:3])
-    ref_params, ref_opt, ref_loss = reference(params, opt_state, batch)
     masks, smasks = reference_masks(resolved, params, opt_state)
+    # the reference in one XLA compile, rather than op-by-op dispatch
+    ref_params, ref_opt, ref_loss = jax.jit(functools.partial(masked_step, model, tx))(
+        masks, smasks, params, opt_state, batch)
     step = pockjax.compile(make_step(model, tx), scheme=scheme)
     new_params, new_opt, loss = step(copy_tree(params), copy_tree(opt_state), batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, atol=1e-6)

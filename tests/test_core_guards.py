@@ -22,6 +22,7 @@ from flax.training import train_state
 
 import pockjax
 from pockjax import _compat as C
+from toy_models import nnx_mse_step
 
 
 def _mlp_step(tx):
@@ -195,12 +196,6 @@ class _DropNet(nnx.Module):
         return self.l2(self.drop(jax.nn.relu(self.l1(x))))
 
 
-def _nnx_step(model, optimizer, x, y):
-    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
-    optimizer.update(model, grads)
-    return loss
-
-
 @pytest.mark.parametrize("target", [None, pytest.param("cpu", marks=pytest.mark.iree)])
 def test_nnx_dropout_keys_and_optimizer_state_only_for_trained_leaves(target):
     scheme = pockjax.UpdateScheme({"l2.*": "full"})
@@ -213,10 +208,10 @@ def test_nnx_dropout_keys_and_optimizer_state_only_for_trained_leaves(target):
     model, optimizer = fresh()
     state_paths = pockjax.leaf_paths(nnx.state(optimizer.opt_state))
     assert not any("l1" in p for p in state_paths) and any("l2" in p for p in state_paths)
-    ref = [float(nnx.jit(_nnx_step)(model, optimizer, x, y)) for _ in range(3)]
+    ref = [float(nnx.jit(nnx_mse_step)(model, optimizer, x, y)) for _ in range(3)]
     model, optimizer = fresh()
     l1_before = np.asarray(model.l1.kernel[...])
-    step = pockjax.compile(_nnx_step, scheme=scheme, target=target)
+    step = pockjax.compile(nnx_mse_step, scheme=scheme, target=target)
     got = [float(step(model, optimizer, x, y)) for _ in range(3)]
     np.testing.assert_allclose(got, ref, rtol=1e-5)
     np.testing.assert_array_equal(model.l1.kernel[...], l1_before)

@@ -10,7 +10,7 @@ import pytest
 
 import pockjax
 from pockjax import _compat as C
-from toy_models import MLP, Transformer, make_step
+from toy_models import MLP, Transformer, make_step, nnx_mse_step
 
 
 def _setup(model=None, tx=None):
@@ -210,14 +210,6 @@ def test_nnx_step_in_place():
         def __call__(self, x):
             return self.l2(jnp.tanh(self.norm(self.l1(x))))
 
-    def train_step(model, optimizer, x, y):
-        def loss_fn(m):
-            return jnp.mean((m(x) - y) ** 2)
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return loss
-
     x, y = jnp.ones((3, 4)), jnp.zeros((3, 2))
     ref_model = Net(nnx.Rngs(0))
     ref_opt = nnx.Optimizer(ref_model, optax.adam(1e-2), wrt=nnx.Param)
@@ -225,19 +217,19 @@ def test_nnx_step_in_place():
     opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 
     l1_before = np.asarray(model.l1.kernel[...])
-    step = pockjax.compile(train_step, scheme=pockjax.UpdateScheme({"l2.*": "full", "norm.scale": "full"}))
+    step = pockjax.compile(nnx_mse_step, scheme=pockjax.UpdateScheme({"l2.*": "full", "norm.scale": "full"}))
     losses = [float(step(model, opt, x, y)) for _ in range(3)]
     assert losses[-1] < losses[0]
     np.testing.assert_array_equal(np.asarray(model.l1.kernel[...]), l1_before)  # frozen
     assert int(opt.step[...]) == 3
 
     # all-full equals nnx's own step
-    full = pockjax.compile(train_step)
+    full = pockjax.compile(nnx_mse_step)
     m2 = Net(nnx.Rngs(0))
     o2 = nnx.Optimizer(m2, optax.adam(1e-2), wrt=nnx.Param)
     for _ in range(2):
         got = full(m2, o2, x, y)
-        want = nnx.jit(train_step)(ref_model, ref_opt, x, y)
+        want = nnx.jit(nnx_mse_step)(ref_model, ref_opt, x, y)
         np.testing.assert_allclose(got, want, rtol=1e-6)
     np.testing.assert_allclose(m2.l2.kernel[...], ref_model.l2.kernel[...], rtol=1e-6, atol=1e-7)
 

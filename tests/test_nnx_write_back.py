@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import pockjax
+from toy_models import nnx_mse_step
 
 
 class Counted(nnx.Module):
@@ -34,19 +35,10 @@ class Counted(nnx.Module):
         return y
 
 
-def _step(model, optimizer, x, y):
-    def loss_fn(model):
-        return jnp.mean((model(x) - y) ** 2)
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return loss
-
-
 def _run(compile_fn, several_leaves):
     model = Counted(several_leaves=several_leaves)
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-    step = compile_fn(_step)
+    step = compile_fn(nnx_mse_step)
     x, y = jnp.arange(12.0).reshape(4, 3) / 10, jnp.ones((4, 2))
     losses = [float(step(model, optimizer, x, y)) for _ in range(3)]
     return losses, jax.tree.map(np.asarray, nnx.state((model, optimizer))), model
@@ -68,5 +60,5 @@ def test_new_state_lands_in_the_models_variables_like_nnx_jit():
 
 
 def test_a_variable_holding_several_arrays_is_refused_by_name():
-    with pytest.raises(pockjax.StepSignatureError, match=r"_step: NNX variable 0\.stats holds 2 arrays"):
+    with pytest.raises(pockjax.StepSignatureError, match=r"nnx_mse_step: NNX variable 0\.stats holds 2 arrays"):
         _run(_pockjax, several_leaves=True)

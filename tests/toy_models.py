@@ -132,3 +132,15 @@ def make_step(model, tx):
         return optax.apply_updates(params, updates), opt_state, loss
 
     return step
+
+
+def nnx_mse_step(model, optimizer, x, y):
+    """An ordinary Flax NNX step (mean squared error, ``nnx.Optimizer``), as a user would write it."""
+    from flax import nnx
+
+    def loss_fn(model):
+        return jnp.mean((model(x) - y) ** 2)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
