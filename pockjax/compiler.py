@@ -153,6 +153,8 @@ class CompiledStep(_RewrittenGraph):
         return memory_report(self)
 
     def call_flat(self, flat_args: Sequence) -> list:
+        if self.tree_call is not None:  # forwarded inputs may be donated: they come back as outputs
+            return self.executable.call_all(flat_args)
         computed = self.executable(*flat_args)
         if self._forwards_nothing:
             return computed
@@ -436,16 +438,19 @@ class CompiledFunction:
         )
         computed = tuple(o for o, src in enumerate(passthrough) if src is None)
         forwarded = {src for src in passthrough if src is not None}
-        donate = []
+        donate, alias = [], []
         if self.donate:
             donate = [
                 i
                 for i, role in enumerate(graph.in_roles)
                 if role in (PARAM, OPT_STATE, MODEL_STATE) and i not in forwarded
             ]
+            # state an output forwards unchanged may be donated with the rest of
+            # its argument (it comes back aliased); a frozen parameter may not
+            alias = [i for i in forwarded if graph.in_roles[i] in (OPT_STATE, MODEL_STATE)]
         if self.target is None:
             executable = XlaExecutable(graph, computed, donate, self.xla_options,
-                                       in_tree=lowered.in_tree, out_builder=lowered.out_builder)
+                                       in_tree=lowered.in_tree, out_builder=lowered.out_builder, alias=alias)
         else:
             from pockjax.backends.iree.step import IreeStepExecutable
 

@@ -232,6 +232,32 @@ def test_frozen_params_are_returned_without_copy_and_not_donated():
     assert params["dense1"]["kernel"].is_deleted()  # trained: donated
 
 
+
+def test_unchanged_optimizer_state_is_donated_with_its_argument_as_jit_does():
+    # optax.inject_hyperparams keeps its (constant) learning rate in the state:
+    # the step forwards that leaf unchanged. jax.jit(step, donate_argnums=(0, 1))
+    # donates it with the rest of opt_state and returns it aliased; pockjax does
+    # the same, which lets the whole call run through one jax.jit dispatch.
+    model = MLP()
+    tx = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.1)
+    params = model.init(jax.random.key(0))
+    batch = model.batch(jax.random.key(1))
+    want = jax.jit(make_step(model, tx), donate_argnums=(0, 1))(copy_tree(params), tx.init(params), batch)
+    step = pockjax.compile(make_step(model, tx), scheme=pockjax.UpdateScheme.full())
+    opt_state = tx.init(params)
+    lr = opt_state.hyperparams["learning_rate"]
+    compiled = step.lower(params, opt_state, batch).compile()
+    assert any(src is not None for src in compiled.passthrough), "the step should forward the learning rate"
+    assert compiled.tree_call is not None, "an unchanged state leaf kept the step off the one-dispatch path"
+    got = step(copy_tree(params), opt_state, batch)
+    assert lr.is_deleted()  # donated with its argument, as jax.jit donates it
+    np.testing.assert_array_equal(got[1].hyperparams["learning_rate"], np.float32(1e-2))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+    # a second call with the returned state (the forwarded leaf among it) runs on
+    again = step(got[0], got[1], batch)
+    assert np.isfinite(float(again[2]))
+
 def test_sparse_state_is_smaller_and_round_trips():
     model, tx = Transformer(layers=2), optax.adamw(1e-2)
     params = model.init(jax.random.key(0))

@@ -74,18 +74,23 @@ def _donated_args(in_tree, donate: Sequence[int]) -> tuple[int, ...] | None:
 class XlaExecutable:
     """The XLA backend: ``jax.jit`` of the transformed jaxpr, state donated.
 
-    When every graph output is computed (none forwards an input unchanged) and
-    the donated inputs are whole arguments, the step is a ``jax.jit`` over the
-    argument trees themselves (:attr:`tree_call`): flattening the arguments and
-    building the output trees then happen in jit's C++ dispatch, and a call
-    costs what a call of the user's own ``jax.jit`` costs. Otherwise it is a
-    ``jax.jit`` over the flat inputs.
+    When the donated inputs are whole arguments and every input that a graph
+    output forwards unchanged is donated too (it then comes back aliased, not
+    copied), the step is a ``jax.jit`` over the argument trees themselves
+    (:attr:`tree_call`): flattening the arguments and building the output
+    trees then happen in jit's C++ dispatch, and a call costs what a call of
+    the user's own ``jax.jit`` costs. Otherwise it is a ``jax.jit`` over the
+    flat inputs that computes only the outputs that forward nothing.
 
     Args:
       graph: the rewritten step.
       computed_outputs: indices of the graph outputs the executable computes
         (the others forward an input unchanged and are not returned).
       donate: flat input indices whose buffers the step may reuse.
+      alias: forwarded flat inputs the tree call may donate as well, so that
+        the whole argument they belong to is donated, as ``jax.jit`` with
+        ``donate_argnums`` does (optimizer and model state, never parameters:
+        a frozen parameter stays valid after the step).
       xla_options: XLA compiler options (see :func:`xla_compile_options`).
       in_tree: the argument trees' structure (for :attr:`tree_call`).
       out_builder: flat outputs -> the output trees (for :attr:`tree_call`).
@@ -94,7 +99,8 @@ class XlaExecutable:
     name = "xla"
 
     def __init__(self, graph: "TrainGraph", computed_outputs: Sequence[int], donate: Sequence[int],
-                 xla_options: dict | None = None, *, in_tree=None, out_builder=None):
+                 xla_options: dict | None = None, *, in_tree=None, out_builder=None,
+                 alias: Sequence[int] = ()):
         closed = graph.closed_jaxpr
         inner = closed.jaxpr.replace(outvars=[closed.jaxpr.outvars[o] for o in computed_outputs])
         C.check_jaxpr(inner)
@@ -122,14 +128,19 @@ class XlaExecutable:
         self.in_tree = in_tree
         #: ``tree_call(*args)``: the step over the argument trees (None: flat calls only).
         self.tree_call = None
-        donated_args = _donated_args(in_tree, donate)
-        whole = out_builder is not None and len(computed_outputs) == len(closed.jaxpr.outvars)
-        if whole and donated_args is not None:
+        self.computed_outputs = tuple(computed_outputs)
+        index = {v: i for i, v in enumerate(closed.jaxpr.invars)}
+        sources = [index.get(v) if not isinstance(v, C.Literal) else None for v in closed.jaxpr.outvars]
+        forwarded = {src for src in sources if src is not None}
+        tree_donate = sorted(set(donate) | (set(alias) & forwarded))
+        donated_args = _donated_args(in_tree, tree_donate)
+        if out_builder is not None and donated_args is not None and forwarded <= set(tree_donate):
             def tree_fun(*args):
                 flat, tree = jax.tree_util.tree_flatten(args)
                 if tree != in_tree:
                     raise SignatureChanged()
-                return out_builder(checked(flat))
+                it = iter(checked(flat))
+                return out_builder([flat[src] if src is not None else next(it) for src in sources])
 
             self.tree_call = jax.jit(tree_fun, donate_argnums=donated_args, compiler_options=compiler_options)
             lowered = self.tree_call.lower(*jax.tree_util.tree_unflatten(in_tree, avals))
@@ -147,7 +158,17 @@ class XlaExecutable:
             raise BackendError(f"XLA failed to compile the transformed step: {e}") from e
 
     def __call__(self, *flat_args):
-        if self.tree_call is not None:  # one compiled program: call it with the trees
-            out = self.tree_call(*jax.tree_util.tree_unflatten(self.in_tree, flat_args))
-            return jax.tree_util.tree_leaves(out)
+        """The computed outputs (those that forward no input) for flat inputs.
+
+        A tree-call step donates the inputs its outputs forward: call
+        :meth:`call_all` for every output instead of reusing those inputs.
+        """
+        if self.tree_call is not None:
+            leaves = self.call_all(flat_args)
+            return [leaves[o] for o in self.computed_outputs]
         return self.jitted(*flat_args)
+
+    def call_all(self, flat_args: Sequence) -> list:
+        """Every graph output for flat inputs, through :attr:`tree_call` (which must be set)."""
+        out = self.tree_call(*jax.tree_util.tree_unflatten(self.in_tree, flat_args))
+        return jax.tree_util.tree_leaves(out)
