@@ -54,6 +54,10 @@ _EXPORTS = {
     "SparseOptState": "pockjax.optim.state",
     "init_opt_state": "pockjax.optim.state",
     "leaf_paths": "pockjax.paths",
+    "ShardingError": "pockjax.sharding",
+    "partition_specs": "pockjax.sharding",
+    "shard": "pockjax.sharding",
+    "shard_like": "pockjax.sharding",
     "Channels": "pockjax.scheme",
     "Frozen": "pockjax.scheme",
     "Full": "pockjax.scheme",
@@ -68,7 +72,8 @@ _EXPORTS = {
     "sparse_grad": "pockjax.transforms.sparse_grad",
     "strip_tags": "pockjax.transforms.strip_tags",
 }
-_SUBMODULES = ("analysis", "backends", "data", "memory", "models", "optim", "runtime", "scheme", "transforms")
+_SUBMODULES = ("analysis", "backends", "data", "memory", "models", "optim", "runtime", "scheme", "sharding",
+               "transforms")
 
 __all__ = sorted(_EXPORTS)
 

@@ -208,6 +208,8 @@ class Lowered(_RewrittenGraph):
     _backend_compile: Callable[["Lowered"], CompiledStep] = dataclasses.field(repr=False)
     _compiled: CompiledStep | None = dataclasses.field(default=None, repr=False)
     _summary: PruneSummary | None = dataclasses.field(default=None, repr=False)
+    #: per flat input: its sharding when it spans several devices, else None
+    in_shardings: tuple | None = dataclasses.field(default=None, repr=False)
 
     def compile(self) -> CompiledStep:
         """The :class:`CompiledStep` for this signature (compiled on the first call)."""
@@ -247,6 +249,20 @@ def _signature(flat):
         shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
         out.append((shape, dt if C.is_key_dtype(dt) else np.dtype(dt), bool(getattr(x, "weak_type", False))))
     return tuple(out)
+
+
+def _shardings(flat) -> tuple | None:
+    """Per flat input its sharding where it spans several devices (else None); None if none does.
+
+    A step over sharded inputs is compiled for those shardings (as ``jax.jit``
+    compiles for its inputs'), so they are part of the compile cache key.
+    """
+    out = [None] * len(flat)
+    for i, x in enumerate(flat):
+        sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+        if sharding is not None and len(sharding.device_set) > 1:
+            out[i] = sharding
+    return tuple(out) if any(s is not None for s in out) else None
 
 
 def _checked_signature(flat, args, name: str):
@@ -386,7 +402,8 @@ class CompiledFunction:
                 f"step(train_state, *batch); got {len(args)} argument(s)"
             )
         flat, tree = jax.tree_util.tree_flatten(args)
-        key = (tree, _checked_signature(flat, args, name))
+        in_shardings = _shardings(flat)
+        key = (tree, _checked_signature(flat, args, name), in_shardings)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -411,7 +428,7 @@ class CompiledFunction:
         def build(flat_out):
             return jax.tree_util.tree_unflatten(out_def, flat_out)
 
-        lowered = Lowered(traced, graph, tree, build, self._finish)
+        lowered = Lowered(traced, graph, tree, build, self._finish, in_shardings=in_shardings)
         self._cache[key] = lowered
         return lowered
 
@@ -458,8 +475,16 @@ class CompiledFunction:
             # its argument (it comes back aliased); a frozen parameter may not
             alias = [i for i in forwarded if graph.in_roles[i] in (OPT_STATE, MODEL_STATE)]
         if self.target is None:
-            executable = XlaExecutable(graph, computed, donate, self.xla_options,
-                                       in_tree=lowered.in_tree, out_builder=lowered.out_builder, alias=alias)
+            executable = XlaExecutable(graph, computed, donate, self.xla_options, in_tree=lowered.in_tree,
+                                       out_builder=lowered.out_builder, alias=alias,
+                                       in_shardings=lowered.in_shardings)
+        elif lowered.in_shardings is not None:
+            sharded = [graph.in_paths[i] for i, s in enumerate(lowered.in_shardings) if s is not None]
+            raise BackendError(
+                f"{graph.step_name}: IREE target {self.target!r} runs the step on one device, but"
+                f" {len(sharded)} input(s) span several devices ({', '.join(sharded[:3])}...):"
+                " pass arrays on one device (jax.device_put(x, jax.devices()[0])), or compile without target="
+            )
         else:
             from pockjax.backends.iree.step import IreeStepExecutable
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 import jax
+import numpy as np
 
 from pockjax import _compat as C
 from pockjax.errors import BackendError
@@ -40,6 +41,20 @@ def xla_compile_options(platform: str, xla_options: dict | None = None) -> dict:
         for key, value in (xla_options or {}).items()
         if value is not None and (platform == "cpu" or not key.startswith("xla_cpu_"))
     }
+
+
+def _mesh_key(sharding) -> tuple:
+    """The axis sizes of the mesh a sharding (or a traced type's sharding) spans; () for one device.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      >>> _mesh_key(None), _mesh_key(NamedSharding(Mesh(np.array(jax.devices()[:1]), ("d",)), P()))
+      ((), ())
+    """
+    mesh = getattr(sharding, "mesh", None)
+    sizes = tuple(dict(mesh.shape).items()) if mesh is not None else ()
+    return sizes if int(np.prod([n for _, n in sizes], dtype=np.int64)) > 1 else ()
 
 
 class SignatureChanged(Exception):
@@ -87,6 +102,10 @@ class XlaExecutable:
       computed_outputs: indices of the graph outputs the executable computes
         (the others forward an input unchanged and are not returned).
       donate: flat input indices whose buffers the step may reuse.
+      in_shardings: per flat input its sharding (None: one device), or None
+        for a step on one device. The program is compiled for these shardings
+        by XLA's SPMD partitioner, and each new state leaf comes back with the
+        sharding of the input it replaces.
       alias: forwarded flat inputs the tree call may donate as well, so that
         the whole argument they belong to is donated, as ``jax.jit`` with
         ``donate_argnums`` does (optimizer and model state, never parameters:
@@ -100,18 +119,27 @@ class XlaExecutable:
 
     def __init__(self, graph: "TrainGraph", computed_outputs: Sequence[int], donate: Sequence[int],
                  xla_options: dict | None = None, *, in_tree=None, out_builder=None,
-                 alias: Sequence[int] = ()):
+                 alias: Sequence[int] = (), in_shardings: Sequence | None = None):
         closed = graph.closed_jaxpr
         inner = closed.jaxpr.replace(outvars=[closed.jaxpr.outvars[o] for o in computed_outputs])
         C.check_jaxpr(inner)
         run = C.jaxpr_as_fun(C.ClosedJaxpr(inner, closed.consts))
-        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in graph.in_avals]
-        expected = [(tuple(a.shape), a.dtype) for a in avals]
+        shardings = list(in_shardings) if in_shardings is not None else [None] * len(graph.in_avals)
+        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type, sharding=s)
+                 for a, s in zip(graph.in_avals, shardings)]
+        # new state keeps its input's sharding (an FSDP step stays sharded); the rest XLA chooses
+        out_shardings = None
+        if in_shardings is not None:
+            out_shardings = [shardings[i] if i is not None else None for i in graph.out_to_in]
+        expected = [(tuple(a.shape), a.dtype, _mesh_key(s)) for a, s in zip(avals, shardings)]
 
         def checked(args):
             # traced once per signature: the graph is valid for this one only
             # (a weak type changes nothing in an already typed jaxpr)
-            got = [(tuple(x.aval.shape), x.aval.dtype) for x in args]
+            # the mesh an input lives on is in its traced type: a step compiled
+            # for one device retraced for sharded inputs (or the reverse) is
+            # another signature, compiled for those shardings by the caller
+            got = [(tuple(x.aval.shape), x.aval.dtype, _mesh_key(getattr(x.aval, "sharding", None))) for x in args]
             if got != expected:
                 raise SignatureChanged()
             return run(*args)
@@ -124,7 +152,10 @@ class XlaExecutable:
         # Calls go through jax.jit's C++ dispatch (the same per-call cost as the
         # user's own jax.jit); the ahead-of-time compile below fills its
         # compilation cache and serves cost and memory analysis.
-        self.jitted = jax.jit(fun, donate_argnums=tuple(donate), compiler_options=compiler_options)
+        jit_options = {"compiler_options": compiler_options}
+        if out_shardings is not None:
+            jit_options["out_shardings"] = [out_shardings[o] for o in computed_outputs]
+        self.jitted = jax.jit(fun, donate_argnums=tuple(donate), **jit_options)
         self.in_tree = in_tree
         #: ``tree_call(*args)``: the step over the argument trees (None: flat calls only).
         self.tree_call = None
@@ -142,7 +173,10 @@ class XlaExecutable:
                 it = iter(checked(flat))
                 return out_builder([flat[src] if src is not None else next(it) for src in sources])
 
-            self.tree_call = jax.jit(tree_fun, donate_argnums=donated_args, compiler_options=compiler_options)
+            tree_options = {"compiler_options": compiler_options}
+            if out_shardings is not None:
+                tree_options["out_shardings"] = out_builder(out_shardings)
+            self.tree_call = jax.jit(tree_fun, donate_argnums=donated_args, **tree_options)
             lowered = self.tree_call.lower(*jax.tree_util.tree_unflatten(in_tree, avals))
         else:
             lowered = self.jitted.lower(*avals)

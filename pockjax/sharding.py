@@ -1,0 +1,190 @@
+"""Placing a train step's arrays on a device mesh: data parallel, FSDP, tensor parallel.
+
+A compiled step honours the shardings of its inputs as ``jax.jit`` does: the
+passes rewrite the whole step first, then XLA's SPMD partitioner splits the
+rewritten program over the mesh and inserts the collectives. A frozen tensor
+has no gradient in the rewritten step, so it is neither computed nor
+all-reduced; optimizer state exists only for what the scheme trains. The new
+parameters and optimizer state come back with the shardings they came in
+with, so an FSDP step stays sharded from one call to the next.
+
+This module places the arrays. Rules map the same dotted-path globs an
+:class:`~pockjax.UpdateScheme` uses to a ``PartitionSpec``; the first rule
+that matches a leaf wins. ``fsdp=`` shards every leaf no rule matched along
+one mesh axis (its largest dimension that the axis divides), and
+:func:`shard_like` gives the optimizer state the layout of the parameters
+it mirrors.
+
+Example:
+  >>> import jax, jax.numpy as jnp, numpy as np
+  >>> from jax.sharding import Mesh, PartitionSpec as P
+  >>> mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+  >>> params = {"dense": {"kernel": jnp.ones((4, 2)), "bias": jnp.zeros(2)}}
+  >>> placed = shard(params, mesh, {"dense.kernel": P(None, "data")})
+  >>> placed["dense"]["kernel"].sharding.spec
+  P(None, 'data')
+  >>> placed["dense"]["bias"].sharding.spec  # no rule: replicated
+  P()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from pockjax.errors import PockjaxError
+from pockjax.paths import leaf_paths
+from pockjax.scheme import glob_match
+
+__all__ = ["ShardingError", "partition_specs", "shard", "shard_like"]
+
+
+class ShardingError(PockjaxError, ValueError):
+    """A sharding rule that cannot apply to the leaf it names."""
+
+
+def _axes(entry) -> tuple[str, ...]:
+    """The mesh axes one ``PartitionSpec`` entry splits a dimension over."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _parts(entry, mesh: Mesh) -> int:
+    """How many pieces one ``PartitionSpec`` entry splits a dimension into."""
+    return int(np.prod([mesh.shape[a] for a in _axes(entry)], dtype=np.int64))
+
+
+def _fsdp_spec(shape: tuple[int, ...], axis: str, size: int) -> PartitionSpec:
+    """The leaf's largest dimension that ``size`` divides, sharded along ``axis``; else replicated."""
+    dims = sorted((d for d in range(len(shape)) if shape[d] % size == 0 and shape[d] >= size),
+                  key=lambda d: (-shape[d], d))
+    if not dims:
+        return PartitionSpec()
+    spec = [None] * len(shape)
+    spec[dims[0]] = axis
+    return PartitionSpec(*spec)
+
+
+def partition_specs(tree: Any, mesh: Mesh, rules: Mapping[str, PartitionSpec] | None = None, *,
+                    fsdp: str | None = None) -> Any:
+    """The ``PartitionSpec`` of every leaf of ``tree``: a tree of the same structure.
+
+    Args:
+      tree: parameters (or a batch) whose leaves have ``.shape``.
+      mesh: the device mesh the specs refer to.
+      rules: ``{glob: PartitionSpec}`` over the leaves' dotted paths, first match
+        wins (``"layers.*.attn.w[qkv].kernel": P(None, "model")``).
+      fsdp: a mesh axis to shard every leaf no rule matched along (its largest
+        dimension the axis size divides; leaves with none stay replicated).
+
+    Raises:
+      ShardingError: a rule names a mesh axis the mesh lacks, has more entries
+        than the leaf has dimensions, or splits a dimension the axes do not divide.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh
+      >>> mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+      >>> partition_specs({"w": jnp.ones((3, 8)), "b": jnp.ones(())}, mesh, fsdp="fsdp")
+      {'b': P(), 'w': P(None, 'fsdp')}
+    """
+    rules = dict(rules or {})
+    for axis in [fsdp] if fsdp is not None else []:
+        if axis not in mesh.shape:
+            raise ShardingError(f"fsdp axis {axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    specs = []
+    for path, leaf in zip(leaf_paths(tree), leaves):
+        shape = tuple(np.shape(leaf))
+        rule = next((pattern for pattern in rules if glob_match(pattern, path)), None)
+        if rule is None:
+            specs.append(_fsdp_spec(shape, fsdp, mesh.shape[fsdp]) if fsdp is not None else PartitionSpec())
+            continue
+        spec = rules[rule]
+        if not isinstance(spec, PartitionSpec):
+            raise ShardingError(f"sharding rule {rule!r}: {spec!r} is not a jax.sharding.PartitionSpec")
+        if len(spec) > len(shape):
+            raise ShardingError(
+                f"sharding rule {rule!r} gives {path} (shape {shape}) the spec {spec} with {len(spec)} entries;"
+                f" the leaf has {len(shape)} dimension(s)"
+            )
+        for dim, entry in enumerate(spec):
+            for axis in _axes(entry):
+                if axis not in mesh.shape:
+                    raise ShardingError(
+                        f"sharding rule {rule!r} names mesh axis {axis!r}; the mesh has {dict(mesh.shape)}"
+                    )
+            parts = _parts(entry, mesh)
+            if shape[dim] % parts:
+                raise ShardingError(
+                    f"sharding rule {rule!r} splits dimension {dim} of {path} (shape {shape}) {parts} ways;"
+                    f" {shape[dim]} is not divisible by {parts}: change the rule or the mesh"
+                )
+        specs.append(spec)
+    return jax.tree_util.tree_unflatten(treedef, specs)
+
+
+def shard(tree: Any, mesh: Mesh, rules: Mapping[str, PartitionSpec] | None = None, *,
+          fsdp: str | None = None) -> Any:
+    """``tree`` placed on ``mesh`` by :func:`partition_specs` (``jax.device_put``).
+
+    Data parallel: parameters with no rules (replicated) and the batch with
+    ``{"**": P("data")}``. FSDP: parameters with ``fsdp="fsdp"``. Tensor
+    parallel: rules per weight. Then :func:`shard_like` for the optimizer state.
+    """
+    specs = partition_specs(tree, mesh, rules, fsdp=fsdp)
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+    return jax.device_put(tree, shardings)
+
+
+def _fits(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> bool:
+    """Whether ``spec`` splits ``shape`` evenly over ``mesh``."""
+    return len(spec) <= len(shape) and all(shape[d] % _parts(entry, mesh) == 0 for d, entry in enumerate(spec))
+
+
+def shard_like(state: Any, params: Any) -> Any:
+    """Optimizer state placed as the parameters it mirrors.
+
+    A state leaf that mirrors a parameter (Adam's ``mu``/``nu``, momentum: the
+    same rule :func:`pockjax.graph.optstate_param_map` applies everywhere)
+    gets the parameter's ``PartitionSpec``; every other leaf (step counts,
+    scalars) is replicated on the parameters' mesh. A
+    :class:`~pockjax.SparseOptState` keeps its form: each kept leaf follows its
+    parameter, and a channel-sliced leaf keeps the spec where the trained
+    channels still divide evenly (else it is replicated: it is small).
+    ``params`` must already be placed (see :func:`shard`).
+
+    Raises:
+      ShardingError: the parameters are not placed on one mesh.
+    """
+    from pockjax.graph import optstate_param_map
+    from pockjax.optim.state import SparseOptState
+
+    param_leaves = jax.tree.leaves(params)
+    meshes = {getattr(getattr(x, "sharding", None), "mesh", None) for x in param_leaves}
+    if len(meshes) != 1 or None in meshes:
+        raise ShardingError(
+            "shard_like needs parameters placed on one mesh (NamedSharding): place them with pockjax.shard first"
+        )
+    mesh = meshes.pop()
+    param_paths, param_shapes = leaf_paths(params), [np.shape(x) for x in param_leaves]
+    if isinstance(state, SparseOptState):
+        layout = state.layout
+        full = jax.tree_util.tree_unflatten(layout.full_treedef, list(layout.full_avals))
+        mapping = optstate_param_map(leaf_paths(full), [a.shape for a in layout.full_avals], param_paths, param_shapes)
+        mapping = [m for m, mode in zip(mapping, layout.modes) if mode != "drop"]
+        leaves = list(state.leaves)
+    else:
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        mapping = optstate_param_map(leaf_paths(state), [np.shape(x) for x in leaves], param_paths, param_shapes)
+    placed = []
+    for leaf, m in zip(leaves, mapping):
+        spec = param_leaves[m].sharding.spec if m is not None else PartitionSpec()
+        if not _fits(spec, tuple(np.shape(leaf)), mesh):
+            spec = PartitionSpec()
+        placed.append(jax.device_put(leaf, NamedSharding(mesh, spec)))
+    if isinstance(state, SparseOptState):
+        return SparseOptState(placed, state.layout)
+    return jax.tree_util.tree_unflatten(treedef, placed)

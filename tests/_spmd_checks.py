@@ -1,0 +1,197 @@
+"""Sparse steps partitioned over 8 forced host devices, against the one-device step.
+
+Run by tests/test_spmd.py in a process of its own (the device count is fixed
+when JAX starts): ``python tests/_spmd_checks.py OUT.json``. For an MLP and
+the tests' tiny LLaMA, under a full and a sparse scheme, it trains 5 steps on
+one device and 5 steps data-parallel (batch split over 8 devices) and FSDP
+(parameters and optimizer state split over 8 devices), and records the
+largest difference, the shardings of what came back, the bytes every
+all-reduce of the partitioned program carries and the per-device argument
+bytes from ``memory_analysis()``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import json  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import pockjax  # noqa: E402
+from pockjax.sharding import shard, shard_like  # noqa: E402
+
+STEPS = 5
+N = 8
+
+_BYTES = {"f32": 4, "s32": 4, "bf16": 2, "f16": 2, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
+
+
+def all_reduce_bytes(hlo: str) -> list[int]:
+    """Bytes of each all-reduce's result in a partitioned HLO module (tuples summed)."""
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r" all-reduce(?:-start)?\(", line)
+        if not m or " = " not in line[: m.start()]:
+            continue
+        result_type = line[: m.start()].split(" = ", 1)[1]  # "f32[64,64]{1,0}" or a tuple of them
+        total = 0
+        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", result_type):
+            size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+            total += size * _BYTES[dtype]
+        out.append(total)
+    return out
+
+
+def mlp_case():
+    from toy_models import MLP, make_step
+
+    model = MLP(sizes=(16, 32, 8), batch_size=16)
+    params = model.init(jax.random.key(0))
+    batches = [(model.batch(jax.random.key(10 + i)),) for i in range(STEPS)]  # step(params, opt_state, batch)
+    tx = optax.adamw(1e-2, weight_decay=0.1)
+    return make_step(model, tx), tx, params, batches, {
+        "full": pockjax.UpdateScheme.full(),
+        "sparse": pockjax.UpdateScheme({"dense1.*": "full", "dense0.bias": "full"}),
+    }
+
+
+def llama_case():
+    from flax import nnx
+
+    from pockjax.models import llama
+    from pockjax.train.steps import lm_train_step
+
+    cfg = llama.LlamaConfig.tiny(vocab=64)
+    graphdef, params = llama.split(llama.Llama(cfg, rngs=nnx.Rngs(0)))
+    tx = optax.adamw(1e-3)
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(STEPS):
+        tokens = rng.integers(0, cfg.vocab, (8, 17))
+        batches.append((jnp.asarray(tokens[:, :-1], jnp.int32), jnp.asarray(tokens[:, 1:], jnp.int32),
+                        jnp.ones((8, 16), jnp.float32)))
+    return lm_train_step(graphdef, tx), tx, params, batches, {
+        "full": pockjax.UpdateScheme.full(),
+        "sparse": pockjax.UpdateScheme({"layers.1.mlp.*.kernel": "full", "layers.1.attn.*.kernel": pockjax.channels(0.5),
+                                        "**.scale": "full"}),
+    }
+
+
+def nbytes(tree) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def run(step_fn, tx, params, batches, scheme, mesh=None, mode=None):
+    step = pockjax.compile(step_fn, scheme=scheme)
+    p = jax.tree.map(jnp.copy, params)
+    # a sparse scheme keeps optimizer state only for what it trains
+    o = tx.init(p) if scheme == pockjax.UpdateScheme.full() else pockjax.init_opt_state(tx, p, scheme)
+    if mode == "data":
+        p = shard(p, mesh)
+    elif mode == "fsdp":
+        p = shard(p, mesh, fsdp="d")
+    if mode is not None:
+        o = shard_like(o, p)
+    losses, info = [], {}
+    for i, batch in enumerate(batches):
+        b = shard(batch, mesh, {"**": P("d")}) if mode is not None else batch
+        if i == 0 and mode is not None:
+            compiled = step.lower(p, o, *b).compile()
+            mem = compiled.memory_analysis()
+            info["argument_bytes_per_device"] = int(mem.argument_size_in_bytes)
+            info["all_reduce_bytes"] = all_reduce_bytes(compiled.executable.compiled.as_text())
+            hlo = compiled.executable.compiled.as_text()
+            info["reduce_scatter"] = hlo.count("reduce-scatter(")
+            info["all_gather"] = hlo.count("all-gather(")
+        p, o, loss = step(p, o, *b)
+        losses.append(float(loss))
+    if mode is not None:  # what came back is placed as what went in
+        p0 = shard(params, mesh, fsdp="d" if mode == "fsdp" else None)
+        o0 = shard_like(tx.init(params) if scheme == pockjax.UpdateScheme.full()
+                        else pockjax.init_opt_state(tx, params, scheme), p0)
+        info["specs_kept"] = [x.sharding.spec == y.sharding.spec for x, y in zip(jax.tree.leaves(p), jax.tree.leaves(p0))]
+        info["opt_specs_kept"] = [x.sharding.spec == y.sharding.spec for x, y in zip(jax.tree.leaves(o), jax.tree.leaves(o0))]
+        info["opt_leaves_sharded"] = sum(len(x.sharding.device_set) > 1 and x.sharding.spec != P() for x in jax.tree.leaves(o))
+        info["opt_type"] = type(o).__name__
+    return p, o, losses, info
+
+
+def trained_grad_bytes(scheme, params) -> int:
+    """Bytes of the gradients the scheme computes: whole trained leaves, trained channels of the others."""
+    from pockjax.scheme import ChannelSelect, Full
+
+    total = 0
+    for leaf, rule in zip(jax.tree.leaves(params), scheme.resolve_tree(params)):
+        if isinstance(rule, Full):
+            total += leaf.size * leaf.dtype.itemsize
+        elif isinstance(rule, ChannelSelect):
+            total += leaf.size // leaf.shape[rule.axis] * rule.count * leaf.dtype.itemsize
+    return int(total)
+
+
+def main(out_path: str) -> int:
+    assert len(jax.devices()) == N, jax.devices()
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    results = {}
+    for name, case in (("mlp", mlp_case), ("llama", llama_case)):
+        step_fn, tx, params, batches, schemes = case()
+        for scheme_name, scheme in schemes.items():
+            ref_p, ref_o, ref_losses, _ = run(step_fn, tx, params, batches, scheme)
+            one = pockjax.compile(step_fn, scheme=scheme).lower(params, ref_o, *batches[0]).compile()
+            results[f"{name}/{scheme_name}"] = {
+                "param_bytes": nbytes(params),
+                "opt_bytes": nbytes(ref_o),
+                "batch_bytes": nbytes(batches[0]),
+                "trained_grad_bytes": trained_grad_bytes(scheme, params),
+                "argument_bytes_one_device": int(one.memory_analysis().argument_size_in_bytes),
+            }
+            for mode in ("data", "fsdp"):
+                p, o, losses, info = run(step_fn, tx, params, batches, scheme, mesh, mode)
+                diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                           for a, b in zip(jax.tree.leaves((p, o)), jax.tree.leaves((ref_p, ref_o))))
+                results[f"{name}/{scheme_name}/{mode}"] = {
+                    "max_abs_diff": diff,
+                    "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+                    **info,
+                }
+                print(name, scheme_name, mode, results[f"{name}/{scheme_name}/{mode}"], flush=True)
+    # one compiled step called on one device, then with FSDP-sharded inputs:
+    # the second call is another signature, compiled for its shardings
+    step_fn, tx, params, batches, schemes = mlp_case()
+    step = pockjax.compile(step_fn, scheme=schemes["full"])
+    p1, o1, _ = step(jax.tree.map(jnp.copy, params), tx.init(params), *batches[0])
+    p8 = shard(params, mesh, fsdp="d")
+    p8, o8, _ = step(p8, shard_like(tx.init(params), p8), *shard(batches[0], mesh, {"**": P("d")}))
+    results["one_then_sharded"] = {
+        "max_abs_diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                            for a, b in zip(jax.tree.leaves((p1, o1)), jax.tree.leaves((p8, o8)))),
+        "placed_as_given": [x.sharding.is_equivalent_to(y.sharding, x.ndim)
+                            for x, y in zip(jax.tree.leaves(p8), jax.tree.leaves(shard(params, mesh, fsdp="d")))],
+        "one_device": [len(x.sharding.device_set) == 1 for x in jax.tree.leaves(p1)],
+    }
+    # an IREE target runs on one device: sharded inputs are refused by name
+    step_fn, tx, params, batches, schemes = mlp_case()
+    p = shard(params, mesh)
+    try:
+        pockjax.compile(step_fn, scheme=schemes["sparse"], target="cpu")(p, tx.init(params), *batches[0])
+        results["iree_error"] = None
+    except pockjax.BackendError as e:
+        results["iree_error"] = str(e)
+    with open(out_path, "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1]))

@@ -1,0 +1,133 @@
+"""Sparse steps on 8 forced host devices: data parallel and FSDP against one device.
+
+The multi-device checks run in one subprocess (tests/_spmd_checks.py; JAX
+fixes the device count when it starts) and the tests below read its report.
+The rule checks run here, on this process's devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import pockjax
+from pockjax.sharding import ShardingError, partition_specs, shard, shard_like
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CASES = [f"{model}/{scheme}" for model in ("mlp", "llama") for scheme in ("full", "sparse")]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("spmd") / "report.json"
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_spmd_checks.py"), str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("mode", ["data", "fsdp"])
+@pytest.mark.parametrize("case", CASES)
+def test_partitioned_step_equals_one_device(report, case, mode):
+    r = report[f"{case}/{mode}"]
+    assert r["max_abs_diff"] <= 1e-5, r  # params and optimizer state after 5 steps
+    assert r["loss_diff"] <= 1e-5, r
+    # what comes back is placed as what went in: an FSDP step stays sharded
+    assert r["specs_kept"] and all(r["specs_kept"]), r["specs_kept"]
+    assert r["opt_specs_kept"] and all(r["opt_specs_kept"]), r["opt_specs_kept"]
+    if case.endswith("sparse"):
+        assert r["opt_type"] == "SparseOptState"  # optimizer state only for what is trained
+    if mode == "fsdp":
+        assert r["opt_leaves_sharded"] > 0
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_all_reduce_carries_only_the_trained_gradients(report, case):
+    # data parallel: every all-reduce in the partitioned HLO, summed, is the
+    # trained gradients plus the loss's scalars (sum, and the mask count)
+    r, one = report[f"{case}/data"], report[case]
+    extra = sum(r["all_reduce_bytes"]) - one["trained_grad_bytes"]
+    assert 0 <= extra <= 16, (r["all_reduce_bytes"], one["trained_grad_bytes"])
+    if case.endswith("sparse"):
+        assert one["trained_grad_bytes"] < 0.4 * one["param_bytes"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fsdp_holds_an_eighth_of_the_state_per_device(report, case):
+    r, one = report[f"{case}/fsdp"], report[case]
+    assert r["argument_bytes_per_device"] <= one["argument_bytes_one_device"] / 8 * 1.05, (r, one)
+
+
+def test_iree_target_refuses_sharded_inputs_by_name(report):
+    msg = report["iree_error"]
+    assert msg is not None and "runs the step on one device" in msg and "dense0.kernel" in msg
+
+
+# -- rules, on this process's devices ----------------------------------------------
+def _mesh():
+    return Mesh(np.array(jax.devices()[:1]), ("d",))
+
+
+def test_rules_first_match_wins_and_fsdp_shards_the_largest_dimension():
+    tree = {"a": {"kernel": jnp.ones((3, 4)), "bias": jnp.ones(4)}, "b": {"kernel": jnp.ones((2, 6))}}
+    specs = partition_specs(tree, _mesh(), {"a.kernel": P("d", None), "a.*": P()}, fsdp="d")
+    assert specs["a"]["kernel"] == P("d", None)
+    assert specs["a"]["bias"] == P()  # the second rule, not fsdp
+    assert specs["b"]["kernel"] == P(None, "d")  # no rule: fsdp on its largest dimension
+
+
+@pytest.mark.parametrize("rules,fsdp,needle", [
+    ({"w": P("model")}, None, "names mesh axis 'model'"),
+    ({"w": P(None, None, "d")}, None, "has 2 dimension(s)"),
+    ({"w": "d"}, None, "is not a jax.sharding.PartitionSpec"),
+    ({}, "model", "fsdp axis 'model' is not an axis"),
+])
+def test_bad_rules_say_what_is_wrong(rules, fsdp, needle):
+    with pytest.raises(ShardingError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        partition_specs({"w": jnp.ones((4, 4))}, _mesh(), rules, fsdp=fsdp)
+
+
+def test_indivisible_rule_is_refused():
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("d", "e"))
+    # one device: every split divides; a fake 3-way axis shows the check
+    fake = type("FakeMesh", (), {"shape": {"d": 3}})()
+    with pytest.raises(ShardingError, match="not divisible by 3"):
+        partition_specs({"w": jnp.ones((4, 4))}, fake, {"w": P("d")})
+    assert partition_specs({"w": jnp.ones((4, 4))}, mesh, {"w": P("d", "e")})["w"] == P("d", "e")
+
+
+def test_shard_like_needs_placed_parameters():
+    params = {"w": np.ones((2, 2), np.float32)}
+    with pytest.raises(ShardingError, match="place them with pockjax.shard first"):
+        shard_like({"mu": {"w": np.zeros((2, 2))}}, params)
+
+
+def test_shard_like_follows_the_parameter_and_replicates_the_rest():
+    import optax
+
+    mesh = _mesh()
+    params = shard({"w": jnp.ones((4, 2)), "b": jnp.ones(2)}, mesh, {"w": P("d", None)})
+    state = shard_like(optax.adam(1e-3).init(params), params)
+    mu = state[0].mu
+    assert mu["w"].sharding.spec == P("d", None) and mu["b"].sharding.spec == P()
+    assert state[0].count.sharding.spec == P()
+    sparse = shard_like(pockjax.init_opt_state(optax.adam(1e-3), params, pockjax.UpdateScheme({"w": "full", "b": "frozen"})),
+                        params)
+    assert isinstance(sparse, pockjax.SparseOptState)
+    assert [x.sharding.spec for x in sparse.leaves] == [P(), P("d", None), P("d", None)]
+
+
+def test_one_step_called_on_one_device_then_sharded(report):
+    # the same compiled step, first on one device, then with FSDP-sharded
+    # inputs: the second call is compiled for its shardings and keeps them
+    r = report["one_then_sharded"]
+    assert r["max_abs_diff"] <= 1e-5
+    assert all(r["one_device"]) and all(r["placed_as_given"]), r
