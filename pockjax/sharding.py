@@ -39,11 +39,76 @@ from pockjax.errors import PockjaxError
 from pockjax.paths import leaf_paths
 from pockjax.scheme import glob_match
 
-__all__ = ["ShardingError", "partition_specs", "shard", "shard_like"]
+__all__ = ["ShardingError", "batch_axes", "make_mesh", "parse_mesh", "partition_specs", "shard", "shard_like"]
+
+#: Mesh axes that split the model's tensors, never the batch.
+MODEL_AXES = ("model",)
 
 
 class ShardingError(PockjaxError, ValueError):
     """A sharding rule that cannot apply to the leaf it names."""
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """``"data=2,fsdp=4"`` -> ``{"data": 2, "fsdp": 4}`` (the ``--mesh`` syntax).
+
+    Raises:
+      ShardingError: a malformed entry, a repeated axis or a size below 1.
+
+    Example:
+      >>> parse_mesh("data=2,fsdp=4")
+      {'data': 2, 'fsdp': 4}
+    """
+    axes: dict[str, int] = {}
+    for entry in (e.strip() for e in spec.split(",")):
+        name, eq, size = entry.partition("=")
+        name = name.strip()
+        if not eq or not name.isidentifier() or not size.strip().isdigit() or int(size) < 1:
+            raise ShardingError(
+                f"mesh {spec!r}: {entry!r} is not AXIS=SIZE with a positive size (e.g. --mesh data=2,fsdp=4)"
+            )
+        if name in axes:
+            raise ShardingError(f"mesh {spec!r}: axis {name!r} appears twice")
+        axes[name] = int(size)
+    return axes
+
+
+def make_mesh(spec: str | Mapping[str, int], devices: Any = None) -> Mesh:
+    """A device mesh from ``"data=2,fsdp=4"`` (or a dict) over the first devices.
+
+    Raises:
+      ShardingError: the mesh needs more devices than there are; the message
+        says how to get more host devices on a CPU.
+
+    Example:
+      >>> import jax
+      >>> dict(make_mesh("data=1").shape)
+      {'data': 1}
+    """
+    axes = parse_mesh(spec) if isinstance(spec, str) else dict(spec)
+    devices = list(jax.devices() if devices is None else devices)
+    need = int(np.prod(list(axes.values()), dtype=np.int64))
+    if need > len(devices):
+        raise ShardingError(
+            f"the mesh {axes} needs {need} devices; this process has {len(devices)} ({devices[0].platform})."
+            f" On a CPU, start it with XLA_FLAGS=--xla_force_host_platform_device_count={need}"
+            " (pockjax finetune --mesh/--devices sets this itself)"
+        )
+    return Mesh(np.array(devices[:need]).reshape(tuple(axes.values())), tuple(axes))
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes a batch's leading dimension is split over: all but the model axes.
+
+    Data parallel and FSDP both split the batch; a ``"model"`` (tensor
+    parallel) axis does not.
+
+    Example:
+      >>> import jax
+      >>> batch_axes(make_mesh("data=1,model=1"))
+      ('data',)
+    """
+    return tuple(a for a in mesh.axis_names if a not in MODEL_AXES)
 
 
 def _axes(entry) -> tuple[str, ...]:

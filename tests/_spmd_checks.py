@@ -140,6 +140,66 @@ def trained_grad_bytes(scheme, params) -> int:
     return int(total)
 
 
+def finetune_checks() -> dict:
+    """``finetune(mesh=...)`` against one device, and a sharded run resumed after a crash."""
+    import tempfile
+
+    from flax import nnx
+
+    from pockjax.models import llama
+    from pockjax.train import FinetuneConfig, finetune
+
+    tok = llama.Tokenizer.byte_level_for_tests()
+    tiny = llama.LlamaConfig.tiny(vocab=259, max_seq_len=256)
+
+    def cfg(**kw):
+        base = dict(task="uppercase", steps=4, batch_size=8, train_examples=32, eval_examples=2,
+                    eval_max_new_tokens=4, save_every=2, show=0, progress=False, blocks=1)
+        base.update(kw)
+        return FinetuneConfig(**base)
+
+    def weights(result):
+        return {k: np.asarray(v) for k, v in llama.flatten_params(llama.split(result.model)[1]).items()}
+
+    def run_one(**kw):
+        return finetune(cfg(**kw), model=llama.Llama(tiny, rngs=nnx.Rngs(0)), tokenizer=tok, log=lambda s: None)
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        one = run_one()
+        for mesh in ("data=8", "data=2,fsdp=4"):
+            got = run_one(mesh=mesh, out=os.path.join(tmp, mesh))
+            w1, w8 = weights(one), weights(got)
+            out[mesh] = {
+                "loss_diff": max(abs(a - b) for a, b in zip(one.metrics["losses"], got.metrics["losses"])),
+                "weight_diff": max(float(np.max(np.abs(w1[k] - w8[k]))) for k in w1),
+                "losses": got.metrics["losses"],
+            }
+
+        # crash after step 3 of a sharded run, resume it sharded: equals uninterrupted
+        crash_dir = os.path.join(tmp, "crash")
+
+        def crash(step, loss):
+            if step == 3:
+                raise KeyboardInterrupt
+
+        try:
+            finetune(cfg(mesh="data=2,fsdp=4", out=crash_dir), model=llama.Llama(tiny, rngs=nnx.Rngs(0)),
+                     tokenizer=tok, log=lambda s: None, on_step=crash)
+        except KeyboardInterrupt:
+            pass
+        resumed = finetune(cfg(mesh="data=2,fsdp=4", out=crash_dir, resume=True), tokenizer=tok, log=lambda s: None)
+        full = llama.load_pretrained(os.path.join(tmp, "data=2,fsdp=4"))[0]
+        w_full = {k: np.asarray(v) for k, v in llama.flatten_params(llama.split(full)[1]).items()}
+        w_res = weights(resumed)
+        out["resume"] = {
+            "weight_diff": max(float(np.max(np.abs(w_full[k] - w_res[k]))) for k in w_full),
+            "losses": resumed.metrics["losses"],
+            "uninterrupted_losses": out["data=2,fsdp=4"]["losses"],
+        }
+    return out
+
+
 def main(out_path: str) -> int:
     assert len(jax.devices()) == N, jax.devices()
     mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -180,6 +240,7 @@ def main(out_path: str) -> int:
                             for x, y in zip(jax.tree.leaves(p8), jax.tree.leaves(shard(params, mesh, fsdp="d")))],
         "one_device": [len(x.sharding.device_set) == 1 for x in jax.tree.leaves(p1)],
     }
+    results["finetune"] = finetune_checks()
     # an IREE target runs on one device: sharded inputs are refused by name
     step_fn, tx, params, batches, schemes = mlp_case()
     p = shard(params, mesh)

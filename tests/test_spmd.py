@@ -131,3 +131,63 @@ def test_one_step_called_on_one_device_then_sharded(report):
     r = report["one_then_sharded"]
     assert r["max_abs_diff"] <= 1e-5
     assert all(r["one_device"]) and all(r["placed_as_given"]), r
+
+
+@pytest.mark.parametrize("mesh", ["data=8", "data=2,fsdp=4"])
+def test_finetune_over_a_mesh_equals_one_device(report, mesh):
+    r = report["finetune"][mesh]
+    assert r["loss_diff"] <= 1e-5 and r["weight_diff"] <= 1e-5, r
+
+
+def test_sharded_finetune_resumes_exactly(report):
+    # killed after step 3 of 4 (checkpoint at step 2, written from sharded
+    # state), resumed on the same mesh: the weights of the uninterrupted run
+    r = report["finetune"]["resume"]
+    assert r["weight_diff"] == 0.0 and r["losses"] == r["uninterrupted_losses"], r
+
+
+def test_cli_devices_splits_the_host_by_itself(tmp_path):
+    # `pockjax finetune --devices 2` in a fresh process without XLA_FLAGS: the
+    # CLI asks JAX for two host devices before it starts, and the run's losses
+    # equal those of one device
+    from flax import nnx
+
+    from pockjax.models import llama
+    from pockjax.train import FinetuneConfig, finetune
+
+    model_dir = tmp_path / "tiny"
+    tok = llama.Tokenizer.byte_level_for_tests()
+    model = llama.Llama(llama.LlamaConfig.tiny(vocab=259, max_seq_len=256), rngs=nnx.Rngs(0))
+    llama.save_hf_checkpoint(model, str(model_dir))
+    tok.save(str(model_dir))
+    args = ["--model", str(model_dir), "--task", "uppercase", "--steps", "2", "--batch-size", "4",
+            "--eval-examples", "0", "--blocks", "1", "--save-every", "2", "--show", "0", "--no-progress"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cli = os.path.join(os.path.dirname(sys.executable), "pockjax")
+    proc = subprocess.run([cli, "finetune", *args, "--devices", "2", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "mesh data=2: 2 cpu devices" in proc.stdout
+    losses = json.loads((tmp_path / "out" / "metrics.json").read_text())["losses"]
+    one = finetune(FinetuneConfig(model=str(model_dir), task="uppercase", steps=2, batch_size=4, eval_examples=0,
+                                  blocks=1, show=0, progress=False), log=lambda s: None)
+    np.testing.assert_allclose(losses, one.metrics["losses"], atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh,needle", [
+    ("data=3", "--batch-size 8 cannot be split over the 3 devices"),
+    ("data=2,model=2", "knows the axes data and fsdp, not model"),
+    ("data", "is not AXIS=SIZE"),
+])
+def test_finetune_bad_mesh_is_refused_before_any_work(mesh, needle):
+    from pockjax.train import FinetuneConfig, finetune
+
+    with pytest.raises(pockjax.PockjaxError, match=needle):
+        finetune(FinetuneConfig(mesh=mesh, batch_size=8, model="/nonexistent"), log=lambda s: None)
+
+
+def test_mesh_larger_than_the_devices_says_how_to_get_more():
+    from pockjax.sharding import make_mesh
+
+    with pytest.raises(ShardingError, match="xla_force_host_platform_device_count=64"):
+        make_mesh("data=64")

@@ -31,6 +31,8 @@ def run_classifier(args: argparse.Namespace) -> int:
     from pockjax.train.classify import ClassifierConfig, finetune_classifier
 
     given = given_options(args)
+    if {"mesh", "devices"} & given:
+        given.add("mesh")
     if args.resume or args.data or "seq_len" in given and args.model == "mobilenetv2":
         what = "--resume" if args.resume else "--data" if args.data else "--seq-len"
         return _error("finetune", ValueError(f"{what} is not available for --model {args.model}"
@@ -53,14 +55,43 @@ def run_classifier(args: argparse.Namespace) -> int:
     return 0 if after is None or not args.fail_below or after >= args.fail_below else 1
 
 
+def _host_devices_for(mesh: str) -> None:
+    """Split the CPU into as many JAX devices as ``mesh`` needs, before JAX starts its backends.
+
+    Only the CPU platform reads the flag: on a GPU host the mesh uses the GPUs
+    (and a mesh larger than their count is refused by name).
+    """
+    import os
+
+    from pockjax.sharding import ShardingError, parse_mesh
+
+    try:
+        need = 1
+        for size in parse_mesh(mesh).values():
+            need *= size
+    except ShardingError:
+        return  # finetune() reports it with the other options
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={need}".strip()
+
+
 def run_finetune(args: argparse.Namespace) -> int:
     import pockjax
     from pockjax.train.classify import CLASSIFIERS
     from pockjax.train.finetune import finetune
 
+    if args.devices is not None and args.mesh:
+        return _error("finetune", ValueError("give --devices N or --mesh AXIS=N,..., not both"))
+    mesh = args.mesh or (f"data={args.devices}" if args.devices is not None else "")
+    if mesh:
+        _host_devices_for(mesh)
     # Before JAX's first computation: each step reuses its working memory.
     pockjax.keep_step_memory(quiet=True)
     if args.model in CLASSIFIERS:
+        if mesh:
+            return _error("finetune", ValueError("--mesh and --devices train the LLaMA models; the classifiers"
+                                                 " train on one device"))
         return run_classifier(args)
     if args.image_size != _IMAGE_SIZE or args.train_per_class != _PER_CLASS or args.fraction != 0.5:
         return _error("finetune", ValueError("--image-size, --train-per-class and --fraction are for the"
@@ -75,6 +106,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     fields = {k: getattr(args, k) for k in (
         "model", "task", "data", "scheme", "blocks", "optimizer", "lr", "steps", "batch_size",
         "seq_len", "seed", "eval_examples", "save_every", "out", "resume", "show")}
+    fields["mesh"] = mesh
     given = given_options(args)
     if fields["steps"] is None:  # with --resume: the run's own
         fields["steps"] = _D.steps
@@ -171,6 +203,12 @@ def register(subparsers) -> None:
                    help="output directory: weights, tokenizer, scheme, metrics, resume state")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--mesh", default="", metavar="AXIS=N[,AXIS=N]", action=StoreGiven,
+                   help="train over several devices: data=N (data parallel), fsdp=N (parameters"
+                        " and optimizer state split N ways) or both, e.g. data=2,fsdp=4; on a CPU"
+                        " the host is split into that many devices")
+    p.add_argument("--devices", type=positive_int, default=None, metavar="N", action=StoreGiven,
+                   help="data parallel over N devices (the same as --mesh data=N)")
     p.add_argument("--image-size", type=positive_int, default=_IMAGE_SIZE,
                    help="classifiers: image side in pixels (mobilenetv2)")
     p.add_argument("--train-per-class", type=non_negative_int, default=_PER_CLASS,

@@ -47,6 +47,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 import numpy as np
 import optax
 
@@ -82,7 +83,8 @@ WEIGHT_GROWTH_LIMIT = 1000.0
 #: The options that decide the trained weights: ``--resume`` keeps them (a
 #: different value is refused, with the differences listed). The others may
 #: change on resume: ``steps`` (not below the run's current step: continuing
-#: is exact), ``save_every``, ``show``, ``progress``, ``eval_max_new_tokens``.
+#: is exact), ``save_every``, ``show``, ``progress``, ``eval_max_new_tokens``,
+#: ``mesh`` (the saved state is whole, so a run may continue on other devices).
 RESULT_FIELDS = ("model", "task", "data", "scheme", "blocks", "optimizer", "lr", "batch_size",
                  "seq_len", "seed", "train_examples", "eval_examples")
 
@@ -121,6 +123,10 @@ class FinetuneConfig:
       out: Output directory (None: write nothing).
       resume: Continue the run in ``out``.
       progress: Show the progress bar.
+      mesh: Train over several devices: ``"data=2"`` (data parallel),
+        ``"fsdp=8"`` (parameters and optimizer state split over 8 devices) or
+        both (``"data=2,fsdp=4"``); the batch is split over all of them.
+        Empty: one device. It may change on resume (the saved state is whole).
     """
 
     model: str = "smollm2-135m"
@@ -142,6 +148,7 @@ class FinetuneConfig:
     out: str | None = None
     resume: bool = False
     progress: bool = True
+    mesh: str = ""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -315,7 +322,7 @@ def _show(title: str, held, result, n: int, log) -> None:
 # -- the run -----------------------------------------------------------------------
 
 #: Fields that may change on ``--resume`` (see :data:`RESULT_FIELDS`).
-RESUME_MAY_CHANGE = ("steps", "save_every", "show", "progress", "eval_max_new_tokens")
+RESUME_MAY_CHANGE = ("steps", "save_every", "show", "progress", "eval_max_new_tokens", "mesh")
 
 # The smallest value of each whole-number field (None allowed where the field defaults to None).
 _INT_MIN = {"steps": 1, "batch_size": 1, "seed": 0, "train_examples": 1, "eval_examples": 0,
@@ -339,6 +346,18 @@ def _validate(cfg: FinetuneConfig) -> None:
         if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating)) \
                 or not (math.isfinite(lr) and lr > 0):
             raise FinetuneError(f"--lr must be a finite number > 0, got {lr!r}")
+    if cfg.mesh:
+        from pockjax.sharding import MODEL_AXES, parse_mesh
+
+        axes = parse_mesh(cfg.mesh)  # ShardingError on a malformed --mesh
+        unknown = [a for a in axes if a not in ("data", "fsdp")]
+        if unknown:
+            raise FinetuneError(f"--mesh {cfg.mesh}: finetune knows the axes data and fsdp, not"
+                                f" {', '.join(unknown)}{' (tensor parallel: use pockjax.shard rules)' if set(unknown) & set(MODEL_AXES) else ''}")
+        split = int(np.prod(list(axes.values())))
+        if cfg.batch_size % split:
+            raise FinetuneError(f"--batch-size {cfg.batch_size} cannot be split over the {split} devices"
+                                f" of --mesh {cfg.mesh}: use a multiple of {split}")
 
 
 def _same_option(name: str, given: Any, saved: FinetuneConfig, n_layers: int | None = None) -> bool:
@@ -559,6 +578,16 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         start = 0
         rng = np.asarray(jax.random.key_data(jax.random.key(cfg.seed)), np.uint32)
         metrics = {"losses": [], "accuracy_before": None}
+    mesh = None
+    if cfg.mesh:
+        from pockjax.sharding import batch_axes, make_mesh, shard, shard_like
+
+        mesh = make_mesh(cfg.mesh)
+        params = shard(params, mesh, fsdp="fsdp" if "fsdp" in mesh.shape else None)
+        opt_state = shard_like(opt_state, params)
+        log(f"mesh {cfg.mesh}: {mesh.size} {mesh.devices.flat[0].platform} devices, the batch split"
+            f" over {' x '.join(batch_axes(mesh))}"
+            + (", parameters and optimizer state over fsdp" if "fsdp" in mesh.shape else ""))
     # The size of the fully trained weights at the start of the run (kept across resumes).
     if metrics.get("trained_weight_norm_start") is None:
         metrics["trained_weight_norm_start"] = _host_norm(flat_params, full_paths)
@@ -596,7 +625,10 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
                               scheme=scheme, xla_options=ANSWER_STEP_XLA_OPTIONS)
 
     def batch_at(i):
-        return {k: jnp.asarray(v) for k, v in batcher.batch(i).items()}
+        batch = {k: jnp.asarray(v) for k, v in batcher.batch(i).items()}
+        if mesh is not None:
+            batch = shard(batch, mesh, {"**": PartitionSpec(batch_axes(mesh))})
+        return batch
 
     t = time.time()
     if start < cfg.steps:
@@ -677,6 +709,8 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     train_s = time.time() - t_train
 
     # -- 4. evaluate after, summarise, write ----------------------------------------------
+    if mesh is not None:  # generation runs on one device
+        params = jax.device_put(params, jax.devices()[0])
     model = llama.merge(graphdef, params)
     t = time.time()
     after = _eval(model, tokenizer, held, cfg, max_new)
