@@ -259,7 +259,7 @@ def _shardings(flat) -> tuple | None:
     """
     out = [None] * len(flat)
     for i, x in enumerate(flat):
-        sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+        sharding = getattr(x, "sharding", None) if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else None
         if sharding is not None and len(sharding.device_set) > 1:
             out[i] = sharding
     return tuple(out) if any(s is not None for s in out) else None

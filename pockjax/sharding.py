@@ -39,7 +39,8 @@ from pockjax.errors import PockjaxError
 from pockjax.paths import leaf_paths
 from pockjax.scheme import glob_match
 
-__all__ = ["ShardingError", "batch_axes", "make_mesh", "parse_mesh", "partition_specs", "shard", "shard_like"]
+__all__ = ["ShardingError", "batch_axes", "make_mesh", "parse_mesh", "partition_specs", "request_host_devices",
+           "shard", "shard_like"]
 
 #: Mesh axes that split the model's tensors, never the batch.
 MODEL_AXES = ("model",)
@@ -97,6 +98,28 @@ def make_mesh(spec: str | Mapping[str, int], devices: Any = None) -> Mesh:
     return Mesh(np.array(devices[:need]).reshape(tuple(axes.values())), tuple(axes))
 
 
+def request_host_devices(mesh: str) -> bool:
+    """Split the CPU into as many JAX devices as ``mesh`` needs; call it before JAX starts.
+
+    Sets ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` unless the
+    flag is already there; only the CPU platform reads it, so on a GPU host the
+    mesh uses the GPUs (and :func:`make_mesh` refuses a mesh larger than their
+    count by name). A malformed ``mesh`` is left for :func:`make_mesh` to report.
+    Returns whether the flag was set.
+    """
+    import os
+
+    try:
+        need = int(np.prod(list(parse_mesh(mesh).values()), dtype=np.int64))
+    except ShardingError:
+        return False
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" in flags:
+        return False
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={need}".strip()
+    return True
+
+
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
     """The mesh axes a batch's leading dimension is split over: all but the model axes.
 
@@ -109,6 +132,17 @@ def batch_axes(mesh: Mesh) -> tuple[str, ...]:
       ('data',)
     """
     return tuple(a for a in mesh.axis_names if a not in MODEL_AXES)
+
+
+def _place(leaf: Any, sharding: NamedSharding) -> Any:
+    """``leaf`` on ``sharding``: an array is moved there, a ``jax.ShapeDtypeStruct`` annotated with it.
+
+    Abstract leaves let a partitioned step be compiled and measured
+    (``memory_analysis()``) without allocating it.
+    """
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding, weak_type=leaf.weak_type)
+    return jax.device_put(leaf, sharding)
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -195,13 +229,18 @@ def shard(tree: Any, mesh: Mesh, rules: Mapping[str, PartitionSpec] | None = Non
           fsdp: str | None = None) -> Any:
     """``tree`` placed on ``mesh`` by :func:`partition_specs` (``jax.device_put``).
 
+    ``jax.ShapeDtypeStruct`` leaves come back annotated with their sharding
+    instead (nothing is allocated): ``pockjax.compile(step).lower(*placed)``
+    then compiles the partitioned step for its memory analysis.
+
     Data parallel: parameters with no rules (replicated) and the batch with
     ``{"**": P("data")}``. FSDP: parameters with ``fsdp="fsdp"``. Tensor
     parallel: rules per weight. Then :func:`shard_like` for the optimizer state.
     """
     specs = partition_specs(tree, mesh, rules, fsdp=fsdp)
-    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
-    return jax.device_put(tree, shardings)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    placed = [_place(leaf, NamedSharding(mesh, spec)) for leaf, spec in zip(leaves, treedef.flatten_up_to(specs))]
+    return jax.tree_util.tree_unflatten(treedef, placed)
 
 
 def _fits(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> bool:
@@ -249,7 +288,7 @@ def shard_like(state: Any, params: Any) -> Any:
         spec = param_leaves[m].sharding.spec if m is not None else PartitionSpec()
         if not _fits(spec, tuple(np.shape(leaf)), mesh):
             spec = PartitionSpec()
-        placed.append(jax.device_put(leaf, NamedSharding(mesh, spec)))
+        placed.append(_place(leaf, NamedSharding(mesh, spec)))
     if isinstance(state, SparseOptState):
         return SparseOptState(placed, state.layout)
     return jax.tree_util.tree_unflatten(treedef, placed)

@@ -191,3 +191,36 @@ def test_mesh_larger_than_the_devices_says_how_to_get_more():
 
     with pytest.raises(ShardingError, match="xla_force_host_platform_device_count=64"):
         make_mesh("data=64")
+
+
+@pytest.mark.parametrize("scheme", ["full", "sparse"])
+def test_tensor_parallel_rules_equal_one_device(report, scheme):
+    # attention and MLP weights split over a "model" axis by glob rules, the batch over "data"
+    r = report["tensor_parallel"][scheme]
+    assert r["max_abs_diff"] <= 1e-5 and r["wq_spec"] == "P(None, 'model')", r
+
+
+def test_user_sharding_constraints_survive_the_passes(report):
+    # full: the constraint and its transpose in the backward, as jax.jit has them;
+    # sparse: the backward through it into the frozen layer is pruned, the forward one stays
+    r = report["sharding_constraint"]
+    assert r["full"]["constraints_in_rewritten_graph"] == 2 and r["full"]["max_abs_diff"] <= 1e-6, r
+    assert r["sparse"]["constraints_in_rewritten_graph"] == 1, r
+    assert r["sparse"]["frozen_unchanged"] and r["sparse"]["trained_moved"], r
+
+
+@pytest.mark.parametrize("case", ["full/data=8", "full/fsdp=8", "paper/data=8", "paper/fsdp=8"])
+def test_per_device_plan_fits_its_reduced_depths(report, case):
+    # the fit over depths 2-3 predicts a depth-4 compile (the check point)
+    assert report["plan"][case]["check_error"] <= 0.08, report["plan"][case]
+
+
+def test_per_device_plan_against_the_whole_compile(report):
+    # the plan of the depth-6 tiny LLaMA (paper, 2 trained blocks, FSDP over 8)
+    # from reduced depths, against a compile of the whole depth-6 step
+    r = report["plan"]["paper/fsdp=8"]
+    assert r["arguments"] == r["compiled_arguments"]
+    assert abs(r["peak"] - r["compiled_peak"]) <= 0.08 * r["compiled_peak"], r
+    # FSDP holds an eighth of what data parallel holds per device
+    data = report["plan"]["paper/data=8"]
+    assert r["arguments"] <= data["arguments"] / 8 * 1.05 + 4096, (r, data)

@@ -78,6 +78,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=positive_int, default=None, help="override the number of blocks")
     p.add_argument("--budget-gb", type=positive_finite_float, default=None,
                    help="device memory in GiB (finite, > 0)")
+    p.add_argument("--mesh", default="", metavar="AXIS=N[,AXIS=N]",
+                   help="per-device view of the step partitioned over a mesh: fsdp=N, data=N or both"
+                        " (compiled from shapes at reduced depth and read from XLA's memory analysis;"
+                        " on a CPU the host is split into N devices); --batch is the global batch")
+    p.add_argument("--devices", type=positive_int, default=None, metavar="N",
+                   help="per-device view for N devices under each sharding strategy (data=N and fsdp=N)")
+    p.add_argument("--check", action="store_true",
+                   help="with --mesh/--devices: compile one more reduced depth and print the fit's error there")
     p.set_defaults(func=run_plan)
 
 
@@ -190,6 +198,8 @@ def _trainable_line(desc) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.mesh or args.devices:
+        return run_plan_per_device(args)
     import jax.numpy as jnp
 
     from pockjax.errors import PockjaxError
@@ -235,4 +245,60 @@ def run_plan(args: argparse.Namespace) -> int:
         if budget is not None:
             verdict = "fits" if r.inplace.fits(budget) else "does NOT fit"
             print(f"  {verdict} in {args.budget_gb:g} GiB")
+    return 0
+
+
+def run_plan_per_device(args: argparse.Namespace) -> int:
+    """``pockjax plan --mesh fsdp=8`` / ``--devices N``: one device's memory of the partitioned step."""
+    if args.mesh and args.devices:
+        return _error("plan", ValueError("give --devices N or --mesh AXIS=N,..., not both"))
+    meshes = [args.mesh] if args.mesh else [f"data={args.devices}", f"fsdp={args.devices}"]
+    from pockjax.sharding import request_host_devices
+
+    for mesh in meshes:
+        request_host_devices(mesh)  # before JAX starts (the CPU split into that many devices)
+    import jax
+    import jax.numpy as jnp
+
+    from pockjax.errors import PockjaxError
+    from pockjax.memory.llama_plan import model_config
+    from pockjax.memory.sharded_plan import plan_llama_per_device
+    from pockjax.schemes import resolve_scheme
+
+    dtype = args.dtype or ("bf16" if args.model == "llama2-7b" else "f32")
+    dt = jnp.bfloat16 if dtype == "bf16" else jnp.float32
+    names = ("full", "paper") if args.scheme == "both" else (args.scheme,)
+    try:
+        _check_sizes(args)
+        cfg = model_config(args.model, **({"n_layers": args.layers} if args.layers else {}))
+        for n in names:
+            resolve_scheme(n, cfg, blocks=args.blocks)
+    except PockjaxError as e:
+        return _error("plan", e)
+    platform = jax.devices()[0].platform
+    print(f"{args.model}: {cfg.n_layers} blocks, d={cfg.dim}, {cfg.num_params() / 1e9:.3f} B params, {dtype},"
+          f" AdamW (moments in {dtype}), global batch {args.batch} x {args.seq} tokens; one device's bytes"
+          f" from XLA's memory analysis of the partitioned step ({platform} compile), fitted over reduced depths")
+    rows = []
+    for name in names:
+        for mesh in meshes:
+            try:
+                r = plan_llama_per_device(cfg, name, mesh=mesh, dtype=dt, batch=args.batch, seq=args.seq,
+                                          blocks=args.blocks, check=args.check)
+            except (PockjaxError, ValueError) as e:
+                return _error("plan", e)
+            rows.append((name, mesh, r))
+    gib = 2**30
+    print(f"\n| scheme | mesh | params + optimizer + batch slice | temporaries | peak per device |"
+          f"{' fit error |' if args.check else ''}{' fits ' + format(args.budget_gb, 'g') + ' GiB |' if args.budget_gb else ''}")
+    print(f"|---|---|---:|---:|---:|{'---:|' if args.check else ''}{'---|' if args.budget_gb else ''}")
+    for name, mesh, r in rows:
+        m = r.per_device
+        line = (f"| {name} | {mesh} | {m.arguments / gib:.2f} GiB | {m.temporaries / gib:.2f} GiB |"
+                f" {m.peak / gib:.2f} GiB |")
+        if args.check:
+            line += f" {100 * r.check_error:.1f}% |"
+        if args.budget_gb:
+            line += f" {'yes' if m.peak <= args.budget_gb * gib else 'no'} |"
+        print(line)
     return 0

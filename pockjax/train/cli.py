@@ -55,27 +55,6 @@ def run_classifier(args: argparse.Namespace) -> int:
     return 0 if after is None or not args.fail_below or after >= args.fail_below else 1
 
 
-def _host_devices_for(mesh: str) -> None:
-    """Split the CPU into as many JAX devices as ``mesh`` needs, before JAX starts its backends.
-
-    Only the CPU platform reads the flag: on a GPU host the mesh uses the GPUs
-    (and a mesh larger than their count is refused by name).
-    """
-    import os
-
-    from pockjax.sharding import ShardingError, parse_mesh
-
-    try:
-        need = 1
-        for size in parse_mesh(mesh).values():
-            need *= size
-    except ShardingError:
-        return  # finetune() reports it with the other options
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={need}".strip()
-
-
 def run_finetune(args: argparse.Namespace) -> int:
     import pockjax
     from pockjax.train.classify import CLASSIFIERS
@@ -85,7 +64,9 @@ def run_finetune(args: argparse.Namespace) -> int:
         return _error("finetune", ValueError("give --devices N or --mesh AXIS=N,..., not both"))
     mesh = args.mesh or (f"data={args.devices}" if args.devices is not None else "")
     if mesh:
-        _host_devices_for(mesh)
+        from pockjax.sharding import request_host_devices
+
+        request_host_devices(mesh)
     # Before JAX's first computation: each step reuses its working memory.
     pockjax.keep_step_memory(quiet=True)
     if args.model in CLASSIFIERS:
