@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pockjax  # noqa: E402
+from pockjax.scheme import Frozen  # noqa: E402
 from pockjax.sharding import shard, shard_like  # noqa: E402
 
 STEPS = 5
@@ -70,6 +71,7 @@ def llama_case():
     from flax import nnx
 
     from pockjax.models import llama
+    from pockjax.schemes import resolve_scheme
     from pockjax.train.steps import lm_train_step
 
     cfg = llama.LlamaConfig.tiny(vocab=64)
@@ -85,6 +87,8 @@ def llama_case():
         "full": pockjax.UpdateScheme.full(),
         "sparse": pockjax.UpdateScheme({"layers.1.mlp.*.kernel": "full", "layers.1.attn.*.kernel": pockjax.channels(0.5),
                                         "**.scale": "full"}),
+        # the PockEngine scheme pockjax finetune trains (attention and MLP of the last block)
+        "paper": resolve_scheme("paper", cfg, blocks=1),
     }
 
 
@@ -114,8 +118,13 @@ def run(step_fn, tx, params, batches, scheme, mesh=None, mode=None):
             hlo = compiled.executable.compiled.as_text()
             info["reduce_scatter"] = hlo.count("reduce-scatter(")
             info["all_gather"] = hlo.count("all-gather(")
+        before = jax.tree.leaves(p)
         p, o, loss = step(p, o, *b)
         losses.append(float(loss))
+        if i == 0 and mode is not None:  # donation works partitioned: trained inputs given up, frozen ones kept
+            rules = scheme.resolve_tree(params)
+            info["trained_donated"] = all(x.is_deleted() for x, r in zip(before, rules) if not isinstance(r, Frozen))
+            info["frozen_kept"] = all(not x.is_deleted() for x, r in zip(before, rules) if isinstance(r, Frozen))
     if mode is not None:  # what came back is placed as what went in
         p0 = shard(params, mesh, fsdp="d" if mode == "fsdp" else None)
         o0 = shard_like(tx.init(params) if scheme == pockjax.UpdateScheme.full()

@@ -22,7 +22,7 @@ import pockjax
 from pockjax.sharding import ShardingError, partition_specs, shard, shard_like
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CASES = [f"{model}/{scheme}" for model in ("mlp", "llama") for scheme in ("full", "sparse")]
+CASES = [f"{model}/{scheme}" for model in ("mlp", "llama") for scheme in ("full", "sparse")] + ["llama/paper"]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +43,9 @@ def test_partitioned_step_equals_one_device(report, case, mode):
     # what comes back is placed as what went in: an FSDP step stays sharded
     assert r["specs_kept"] and all(r["specs_kept"]), r["specs_kept"]
     assert r["opt_specs_kept"] and all(r["opt_specs_kept"]), r["opt_specs_kept"]
-    if case.endswith("sparse"):
+    if not case.endswith("full"):
         assert r["opt_type"] == "SparseOptState"  # optimizer state only for what is trained
+    assert r["trained_donated"] and r["frozen_kept"], r
     if mode == "fsdp":
         assert r["opt_leaves_sharded"] > 0
 
@@ -56,8 +57,8 @@ def test_all_reduce_carries_only_the_trained_gradients(report, case):
     r, one = report[f"{case}/data"], report[case]
     extra = sum(r["all_reduce_bytes"]) - one["trained_grad_bytes"]
     assert 0 <= extra <= 16, (r["all_reduce_bytes"], one["trained_grad_bytes"])
-    if case.endswith("sparse"):
-        assert one["trained_grad_bytes"] < 0.4 * one["param_bytes"]
+    if not case.endswith("full"):
+        assert one["trained_grad_bytes"] < 0.5 * one["param_bytes"]
 
 
 @pytest.mark.parametrize("case", CASES)
