@@ -225,3 +225,26 @@ def test_per_device_plan_against_the_whole_compile(report):
     # FSDP holds an eighth of what data parallel holds per device
     data = report["plan"]["paper/data=8"]
     assert r["arguments"] <= data["arguments"] / 8 * 1.05 + 4096, (r, data)
+
+
+@pytest.mark.parametrize("flags,mesh", [(["--devices", "1"], "data=1"), (["--mesh", "fsdp=1"], "fsdp=1"), ([], "")])
+def test_cli_resume_takes_the_mesh_given(monkeypatch, flags, mesh):
+    # on --resume, a given --devices or --mesh replaces the run's own mesh
+    # (it may change: the saved state is whole); none given keeps the run's
+    import importlib
+
+    from pockjax.cli import main as cli_main
+
+    ft = importlib.import_module("pockjax.train.finetune")  # the module (pockjax.train.finetune is also a function)
+
+    seen = {}
+
+    def fake_finetune(config, given=None, **kw):
+        seen.update(config=config, given=set(given))
+        raise ft.FinetuneError("stop here")
+
+    monkeypatch.setattr(ft, "finetune", fake_finetune)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")  # restored afterwards
+    assert cli_main(["finetune", "--resume", "--out", "/nonexistent", *flags]) == 2
+    assert seen["config"].mesh == mesh
+    assert ("mesh" in seen["given"]) == bool(flags)

@@ -31,8 +31,6 @@ def run_classifier(args: argparse.Namespace) -> int:
     from pockjax.train.classify import ClassifierConfig, finetune_classifier
 
     given = given_options(args)
-    if {"mesh", "devices"} & given:
-        given.add("mesh")
     if args.resume or args.data or "seq_len" in given and args.model == "mobilenetv2":
         what = "--resume" if args.resume else "--data" if args.data else "--seq-len"
         return _error("finetune", ValueError(f"{what} is not available for --model {args.model}"
@@ -89,6 +87,8 @@ def run_finetune(args: argparse.Namespace) -> int:
         "seq_len", "seed", "eval_examples", "save_every", "out", "resume", "show")}
     fields["mesh"] = mesh
     given = given_options(args)
+    if {"mesh", "devices"} & given:  # --devices N is --mesh data=N: either one replaces the run's mesh
+        given.add("mesh")
     if fields["steps"] is None:  # with --resume: the run's own
         fields["steps"] = _D.steps
     fields["progress"] = not args.no_progress
