@@ -457,11 +457,7 @@ class CompiledFunction:
     def _finish(self, lowered: Lowered) -> CompiledStep:
         """Compile a lowered step with the backend."""
         traced, graph = lowered.traced, lowered.graph
-        invars = graph.jaxpr.invars
-        index = {v: i for i, v in enumerate(invars)}
-        passthrough = tuple(
-            index.get(v) if not isinstance(v, C.Literal) and v in index else None for v in graph.jaxpr.outvars
-        )
+        passthrough = graph.out_sources
         computed = tuple(o for o, src in enumerate(passthrough) if src is None)
         forwarded = {src for src in passthrough if src is not None}
         donate, alias = [], []

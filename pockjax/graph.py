@@ -118,6 +118,16 @@ class TrainGraph:
     def out_avals(self) -> list:
         return [v.aval for v in self.jaxpr.outvars]
 
+    @property
+    def out_sources(self) -> tuple[int | None, ...]:
+        """Per flat output, the index of the input it forwards unchanged, else None.
+
+        A frozen parameter after ``sparse_grad`` (and state a step returns as
+        it came) is such an output: the backends return the input for it.
+        """
+        index = {v: i for i, v in enumerate(self.jaxpr.invars)}
+        return tuple(None if isinstance(v, C.Literal) else index.get(v) for v in self.jaxpr.outvars)
+
     def inputs_with_role(self, role: str) -> list[int]:
         return [i for i, r in enumerate(self.in_roles) if r == role]
 

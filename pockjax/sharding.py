@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import jax
@@ -40,7 +41,7 @@ from pockjax.paths import leaf_paths
 from pockjax.scheme import glob_match
 
 __all__ = ["ShardingError", "batch_axes", "make_mesh", "parse_mesh", "partition_specs", "request_host_devices",
-           "shard", "shard_like"]
+           "shard", "shard_batch", "shard_like", "shard_train_state"]
 
 #: Mesh axes that split the model's tensors, never the batch.
 MODEL_AXES = ("model",)
@@ -88,7 +89,7 @@ def make_mesh(spec: str | Mapping[str, int], devices: Any = None) -> Mesh:
     """
     axes = parse_mesh(spec) if isinstance(spec, str) else dict(spec)
     devices = list(jax.devices() if devices is None else devices)
-    need = int(np.prod(list(axes.values()), dtype=np.int64))
+    need = math.prod(axes.values())
     if need > len(devices):
         raise ShardingError(
             f"the mesh {axes} needs {need} devices; this process has {len(devices)} ({devices[0].platform})."
@@ -110,7 +111,7 @@ def request_host_devices(mesh: str) -> bool:
     import os
 
     try:
-        need = int(np.prod(list(parse_mesh(mesh).values()), dtype=np.int64))
+        need = math.prod(parse_mesh(mesh).values())
     except ShardingError:
         return False
     flags = os.environ.get("XLA_FLAGS", "")
@@ -152,7 +153,7 @@ def _axes(entry) -> tuple[str, ...]:
 
 def _parts(entry, mesh: Mesh) -> int:
     """How many pieces one ``PartitionSpec`` entry splits a dimension into."""
-    return int(np.prod([mesh.shape[a] for a in _axes(entry)], dtype=np.int64))
+    return math.prod(mesh.shape[a] for a in _axes(entry))
 
 
 def _fsdp_spec(shape: tuple[int, ...], axis: str, size: int) -> PartitionSpec:
@@ -292,3 +293,25 @@ def shard_like(state: Any, params: Any) -> Any:
     if isinstance(state, SparseOptState):
         return SparseOptState(placed, state.layout)
     return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def shard_train_state(params: Any, opt_state: Any, mesh: Mesh) -> tuple[Any, Any]:
+    """Parameters and optimizer state placed for ``mesh``, the way ``pockjax finetune --mesh`` places them.
+
+    Split over the mesh's ``"fsdp"`` axis if it has one (FSDP, :func:`shard`
+    with ``fsdp="fsdp"``), else replicated (data parallel); the optimizer
+    state follows its parameters (:func:`shard_like`).
+    """
+    params = shard(params, mesh, fsdp="fsdp" if "fsdp" in mesh.shape else None)
+    return params, shard_like(opt_state, params)
+
+
+def shard_batch(batch: Any, mesh: Mesh) -> Any:
+    """A batch split along its leading dimension over the mesh's :func:`batch_axes`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> shard_batch({"tokens": jnp.zeros((4, 8))}, make_mesh("data=1"))["tokens"].sharding.spec
+      P('data',)
+    """
+    return shard(batch, mesh, {"**": PartitionSpec(batch_axes(mesh))})

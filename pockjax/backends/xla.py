@@ -9,10 +9,10 @@ compiles (or finds) the step for that signature instead.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Sequence
 
 import jax
-import numpy as np
 
 from pockjax import _compat as C
 from pockjax.errors import BackendError
@@ -54,7 +54,7 @@ def _mesh_key(sharding) -> tuple:
     """
     mesh = getattr(sharding, "mesh", None)
     sizes = tuple(dict(mesh.shape).items()) if mesh is not None else ()
-    return sizes if int(np.prod([n for _, n in sizes], dtype=np.int64)) > 1 else ()
+    return sizes if math.prod(n for _, n in sizes) > 1 else ()
 
 
 class SignatureChanged(Exception):
@@ -160,8 +160,7 @@ class XlaExecutable:
         #: ``tree_call(*args)``: the step over the argument trees (None: flat calls only).
         self.tree_call = None
         self.computed_outputs = tuple(computed_outputs)
-        index = {v: i for i, v in enumerate(closed.jaxpr.invars)}
-        sources = [index.get(v) if not isinstance(v, C.Literal) else None for v in closed.jaxpr.outvars]
+        sources = graph.out_sources
         forwarded = {src for src in sources if src is not None}
         tree_donate = sorted(set(donate) | (set(alias) & forwarded))
         donated_args = _donated_args(in_tree, tree_donate)

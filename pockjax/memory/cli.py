@@ -197,23 +197,33 @@ def _trainable_line(desc) -> str:
     return f"trainable: {desc.trainable:,} of {desc.total:,} parameters ({pct:.1f}%)"
 
 
-def run_plan(args: argparse.Namespace) -> int:
-    if args.mesh or args.devices:
-        return run_plan_per_device(args)
+def _plan_inputs(args: argparse.Namespace):
+    """``(dtype name, dtype, model config, scheme names, schemes)`` of ``pockjax plan``'s options.
+
+    Raises PockjaxError for a size below 1 or a scheme that does not resolve.
+    """
     import jax.numpy as jnp
 
-    from pockjax.errors import PockjaxError
-    from pockjax.memory import format_bytes
-    from pockjax.memory.llama_plan import model_config, plan_llama
+    from pockjax.memory.llama_plan import model_config
     from pockjax.schemes import resolve_scheme
 
     dtype = args.dtype or ("bf16" if args.model == "llama2-7b" else "f32")
     dt = jnp.bfloat16 if dtype == "bf16" else jnp.float32
+    _check_sizes(args)
+    cfg = model_config(args.model, **({"n_layers": args.layers} if args.layers else {}))
+    names = ("full", "paper") if args.scheme == "both" else (args.scheme,)
+    return dtype, dt, cfg, names, [resolve_scheme(n, cfg, blocks=args.blocks) for n in names]
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    if args.mesh or args.devices:
+        return run_plan_per_device(args)
+    from pockjax.errors import PockjaxError
+    from pockjax.memory import format_bytes
+    from pockjax.memory.llama_plan import plan_llama
+
     try:
-        _check_sizes(args)
-        cfg = model_config(args.model, **({"n_layers": args.layers} if args.layers else {}))
-        names = ("full", "paper") if args.scheme == "both" else (args.scheme,)
-        schemes = [resolve_scheme(n, cfg, blocks=args.blocks) for n in names]
+        dtype, dt, cfg, names, schemes = _plan_inputs(args)
     except PockjaxError as e:
         return _error("plan", e)
     budget = None if args.budget_gb is None else args.budget_gb * 2**30
@@ -258,21 +268,12 @@ def run_plan_per_device(args: argparse.Namespace) -> int:
     for mesh in meshes:
         request_host_devices(mesh)  # before JAX starts (the CPU split into that many devices)
     import jax
-    import jax.numpy as jnp
 
     from pockjax.errors import PockjaxError
-    from pockjax.memory.llama_plan import model_config
     from pockjax.memory.sharded_plan import plan_llama_per_device
-    from pockjax.schemes import resolve_scheme
 
-    dtype = args.dtype or ("bf16" if args.model == "llama2-7b" else "f32")
-    dt = jnp.bfloat16 if dtype == "bf16" else jnp.float32
-    names = ("full", "paper") if args.scheme == "both" else (args.scheme,)
     try:
-        _check_sizes(args)
-        cfg = model_config(args.model, **({"n_layers": args.layers} if args.layers else {}))
-        for n in names:
-            resolve_scheme(n, cfg, blocks=args.blocks)
+        dtype, dt, cfg, names, _ = _plan_inputs(args)
     except PockjaxError as e:
         return _error("plan", e)
     platform = jax.devices()[0].platform

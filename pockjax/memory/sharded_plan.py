@@ -6,11 +6,10 @@ shardings, nothing allocated) and reads ``memory_analysis()`` of the
 partitioned program: the bytes one device holds for its arguments (its
 slice of parameters, optimizer state and batch), its outputs and its
 temporaries. A 7B model is too slow to compile whole on a small CPU, so the
-step is compiled at two reduced depths and the per-block cost extrapolated
-linearly to the full depth; every block of a LLaMA is the same, so only the
-blocks' scheme (trained or frozen) must match, which the reduced configs keep
-by cutting frozen blocks from the front. ``check_layers`` compiles a third
-depth and reports how far the extrapolation misses it.
+step is compiled at reduced depths and each figure fitted as a line in the
+number of frozen and trained blocks (every block of a LLaMA is the same but
+for its rule), then evaluated at the full depth. ``check=True`` compiles one
+more reduced depth and reports how far the fit misses it.
 
 The figures are those of the platform the process compiles for (a CPU here):
 arguments are exact everywhere, temporaries depend on the backend's fusion.
@@ -21,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 __all__ = ["DeviceMemory", "PerDevicePlan", "plan_llama_per_device"]
@@ -63,9 +61,9 @@ class PerDevicePlan:
       mesh: the mesh's axis sizes (``{"fsdp": 8}``).
       layers: the depth planned (the config's).
       per_device: one device's bytes at that depth (extrapolated).
-      compiled: ``{depth: DeviceMemory}`` of each compiled reduced depth.
-      check_error: with ``check_layers``: relative error of the extrapolated
-        peak at that depth against its compile (None otherwise).
+      compiled: ``{"frozen+trained": DeviceMemory}`` of each reduced depth compiled.
+      check_error: with ``check=True``: relative error of the fitted peak at
+        the check depth against its compile (None otherwise).
     """
 
     mesh: dict
@@ -78,15 +76,12 @@ class PerDevicePlan:
 def _placed_step(config: Any, scheme_name: str, mesh: Any, *, dtype: Any, batch: int, seq: int, blocks: int | None):
     import pockjax
     from pockjax.memory.llama_plan import abstract_llama_step
-    from pockjax.sharding import batch_axes, shard, shard_like
-    from jax.sharding import PartitionSpec
+    from pockjax.sharding import shard_batch, shard_train_state
 
     w = abstract_llama_step(config, scheme_name, dtype=dtype, batch=batch, seq=seq, blocks=blocks)
     params, opt_state, b = w.args
-    fsdp = "fsdp" if "fsdp" in mesh.shape else None
-    params = shard(params, mesh, fsdp=fsdp)
-    opt_state = shard_like(opt_state, params)
-    b = shard(b, mesh, {"**": PartitionSpec(batch_axes(mesh))})
+    params, opt_state = shard_train_state(params, opt_state, mesh)
+    b = shard_batch(b, mesh)
     step = pockjax.compile(w.step, scheme=w.scheme)
     return step.lower(params, opt_state, b).compile()
 

@@ -47,7 +47,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 import numpy as np
 import optax
 
@@ -354,7 +353,7 @@ def _validate(cfg: FinetuneConfig) -> None:
         if unknown:
             raise FinetuneError(f"--mesh {cfg.mesh}: finetune knows the axes data and fsdp, not"
                                 f" {', '.join(unknown)}{' (tensor parallel: use pockjax.shard rules)' if set(unknown) & set(MODEL_AXES) else ''}")
-        split = int(np.prod(list(axes.values())))
+        split = math.prod(axes.values())
         if cfg.batch_size % split:
             raise FinetuneError(f"--batch-size {cfg.batch_size} cannot be split over the {split} devices"
                                 f" of --mesh {cfg.mesh}: use a multiple of {split}")
@@ -580,11 +579,10 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         metrics = {"losses": [], "accuracy_before": None}
     mesh = None
     if cfg.mesh:
-        from pockjax.sharding import batch_axes, make_mesh, shard, shard_like
+        from pockjax.sharding import batch_axes, make_mesh, shard_batch, shard_train_state
 
         mesh = make_mesh(cfg.mesh)
-        params = shard(params, mesh, fsdp="fsdp" if "fsdp" in mesh.shape else None)
-        opt_state = shard_like(opt_state, params)
+        params, opt_state = shard_train_state(params, opt_state, mesh)
         log(f"mesh {cfg.mesh}: {mesh.size} {mesh.devices.flat[0].platform} devices, the batch split"
             f" over {' x '.join(batch_axes(mesh))}"
             + (", parameters and optimizer state over fsdp" if "fsdp" in mesh.shape else ""))
@@ -627,7 +625,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     def batch_at(i):
         batch = {k: jnp.asarray(v) for k, v in batcher.batch(i).items()}
         if mesh is not None:
-            batch = shard(batch, mesh, {"**": PartitionSpec(batch_axes(mesh))})
+            batch = shard_batch(batch, mesh)
         return batch
 
     t = time.time()
