@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from pockjax import _compat as C
+from pockjax import quant
 from pockjax.analysis import PruneSummary, summarize
 from pockjax.backends.xla import SignatureChanged, XlaExecutable
 from pockjax.errors import BackendError, StepSignatureError
@@ -409,9 +410,15 @@ class CompiledFunction:
             return hit
         n_state_args = 1 if is_train_state(args[0]) else 2
         trace_args, sparse_states = self._full_state_args(args, name)
+        quantized = {i: x for i, x in enumerate(jax.tree.leaves(args, is_leaf=quant.is_qtensor))
+                     if quant.is_qtensor(x)}
+        if quantized:
+            trace_args = quant.abstract(trace_args)
         traced = trace_step(self.step, trace_args, n_state_args=n_state_args)
         passes = self.passes or default_passes(self.scheme, bool(sparse_states))
         graph = strip_tags()(passes(traced))
+        if quantized:
+            graph = _with_quantized_inputs(graph, quantized, self.scheme, tree)
         if sparse_states:
             expected = [tuple(np.shape(x)) for state in sparse_states for x in state.leaves]
             got = [tuple(graph.in_avals[i].shape) for i, r in enumerate(graph.in_roles) if r == OPT_STATE]
@@ -586,6 +593,60 @@ class CompiledFunction:
         new_leaves, aux = result
         _write_back(state, new_leaves)
         return aux
+
+
+def _with_quantized_inputs(graph: TrainGraph, quantized: dict, scheme, in_tree) -> TrainGraph:
+    """``graph`` (traced for the float values) taking each :class:`~pockjax.quant.QTensor`'s arrays instead.
+
+    Every quantized input must come back unchanged (a frozen parameter):
+    otherwise the step trains it, which a quantized tensor cannot be, and
+    this raises :class:`~pockjax.quant.QuantizationError` naming it.
+    """
+    from pockjax.transforms.dequantize import dequantize_inputs
+
+    sources = graph.out_sources
+    forward = {}
+    for o, i in enumerate(graph.out_to_in):
+        if i not in quantized:
+            continue
+        if sources[o] != i:
+            rule = "trains it"
+            if scheme is None:
+                rule = "has no scheme, so it trains every parameter"
+            raise quant.QuantizationError(
+                f"{graph.step_name}: {graph.in_paths[i]} is quantized ({quantized[i].qtype}) but the step"
+                f" updates it (the scheme {rule}): a quantized tensor cannot be trained. Freeze it in the"
+                " scheme ('frozen'), or load it unquantized to train it")
+        forward[o] = i
+    closed = dequantize_inputs(graph.closed_jaxpr, quantized, forward)
+    new_index, in_roles, in_paths = [], [], []
+    for i, (role, path) in enumerate(zip(graph.in_roles, graph.in_paths)):
+        new_index.append(len(in_roles))
+        if i in quantized:
+            fields = [k.name for k, _ in quantized[i].tree_flatten_with_keys()[0]]
+            in_roles += [role] * len(fields)
+            in_paths += [f"{path}.{f}" for f in fields]
+        else:
+            in_roles.append(role)
+            in_paths.append(path)
+    param_of = [None] * len(in_roles)
+    for i, p in enumerate(graph.param_of):
+        if p is not None and i not in quantized:
+            param_of[new_index[i]] = new_index[p]
+    out_roles, out_paths, out_to_in = [], [], []
+    for o, (role, path, src) in enumerate(zip(graph.out_roles, graph.out_paths, graph.out_to_in)):
+        if o in forward:
+            fields = [k.name for k, _ in quantized[src].tree_flatten_with_keys()[0]]
+            out_roles += [role] * len(fields)
+            out_paths += [f"{path}.{f}" for f in fields]
+            out_to_in += [new_index[src] + k for k in range(len(fields))]
+        else:
+            out_roles.append(role)
+            out_paths.append(path)
+            out_to_in.append(None if src is None else new_index[src])
+    return graph.with_jaxpr(closed, in_tree=in_tree, in_roles=tuple(in_roles), in_paths=tuple(in_paths),
+                            param_of=tuple(param_of), out_roles=tuple(out_roles), out_paths=tuple(out_paths),
+                            out_to_in=tuple(out_to_in))
 
 
 def _write_back(state, new_leaves: list) -> None:

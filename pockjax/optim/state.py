@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from pockjax import quant
 from pockjax.graph import optstate_param_map
 from pockjax.paths import leaf_paths
 from pockjax.scheme import ChannelSelect, Frozen, UpdateScheme
@@ -81,11 +82,19 @@ def init_opt_state(tx, params, scheme: UpdateScheme) -> SparseOptState:
         >>> [x.shape for x in state.leaves]  # count, mu["a"][:, :2], nu["a"][:, :2]
         [(), (4, 2), (4, 2)]
     """
+    # a quantized (frozen) tensor stands for its float value: its state is
+    # dropped, so the state is laid out for that value and never allocated
+    params = quant.abstract(params)
     full = jax.eval_shape(tx.init, params)
     full_leaves, full_def = jax.tree_util.tree_flatten(full)
     param_leaves = jax.tree.leaves(params)
     param_paths = leaf_paths(params)
     rules = scheme.resolve(param_paths, [np.shape(p) for p in param_leaves])
+    for path, p, rule in zip(param_paths, param_leaves, rules):
+        if isinstance(p, jax.ShapeDtypeStruct) and not isinstance(rule, Frozen):
+            raise quant.QuantizationError(
+                f"{path} is quantized, but the scheme trains it ({rule}): a quantized tensor cannot be"
+                " trained. Freeze it in the scheme ('frozen'), or load it unquantized to train it")
     mapping = optstate_param_map(
         leaf_paths(full), [x.shape for x in full_leaves], param_paths, [np.shape(p) for p in param_leaves]
     )
@@ -108,12 +117,19 @@ def init_opt_state(tx, params, scheme: UpdateScheme) -> SparseOptState:
             out.append(slicing.take(r, p) if isinstance(r, ChannelSelect) else p)
         return jax.tree_util.tree_unflatten(jax.tree.structure(params), out)
 
-    # Under jit, the state of frozen parameters is dead code: never allocated.
-    def kept_state(p):
-        leaves = jax.tree.leaves(tx.init(p))
-        return [x for x, mode in zip(leaves, modes) if mode != "drop"]
+    # Under jit, the state of frozen parameters is dead code: never allocated
+    # (nor are the zeros standing in for quantized ones).
+    sliced = sliced_params()
+    sliced_leaves, sliced_def = jax.tree.flatten(sliced)
+    abstract_at = [isinstance(p, jax.ShapeDtypeStruct) for p in sliced_leaves]
 
-    kept = jax.jit(kept_state)(sliced_params())
+    def kept_state(concrete):
+        it = iter(concrete)
+        leaves = [jax.numpy.zeros(p.shape, p.dtype) if a else next(it) for p, a in zip(sliced_leaves, abstract_at)]
+        state = jax.tree.leaves(tx.init(jax.tree_util.tree_unflatten(sliced_def, leaves)))
+        return [x for x, mode in zip(state, modes) if mode != "drop"]
+
+    kept = jax.jit(kept_state)([p for p, a in zip(sliced_leaves, abstract_at) if not a])
     kept_modes = [(m, a) for m, a in zip(modes, full_leaves) if m != "drop"]
     for value, (mode, aval) in zip(kept, kept_modes):
         expected = slicing.sliced_shape(mode, aval.shape) if isinstance(mode, ChannelSelect) else aval.shape

@@ -1,0 +1,220 @@
+"""Quantized frozen inputs: dequantize each matrix right before each use.
+
+A step is traced for the float value of every :class:`~pockjax.quant.QTensor`
+it receives; :func:`dequantize_inputs` then rewrites the jaxpr so that the
+input is the quantized codes and scales instead, and the float value is
+computed from them block-wise right before every equation that reads it:
+
+* one dequantization per use, each behind an ``optimization_barrier`` of its
+  own, so that XLA neither merges them (which would keep one float copy of
+  every frozen matrix alive from the forward pass to the backward pass) nor
+  hoists them all to the start. The float copy of a matrix lives only for
+  the one product that reads it.
+* a ``scan`` over stacked layers receives the codes of its slice instead:
+  the dequantization moves into the loop body (recursively), so a scanned
+  model dequantizes one layer at a time.
+* an output that returns the frozen matrix unchanged (every frozen parameter
+  after ``sparse_grad``) returns the codes and scales it came with.
+
+The rewrite is used by :func:`pockjax.compile` for train steps and by
+:func:`quantized_jit` for any function (generation).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+
+from pockjax import _compat as C
+from pockjax import quant
+from pockjax._src import jaxpr as core
+
+P = C.primitives
+
+__all__ = ["dequantize_inputs", "quantized_jit"]
+
+
+class _Lazy:
+    """A quantized value in the interpreter's environment: its template and component values."""
+
+    __slots__ = ("template", "comps")
+
+    def __init__(self, template: quant.QTensor, comps: Sequence):
+        self.template = template
+        self.comps = list(comps)
+
+    def value(self):
+        comps = jax.lax.optimization_barrier(list(self.comps))
+        tree = jax.tree.structure(self.template)
+        return quant.dequantize(jax.tree_util.tree_unflatten(tree, comps))
+
+
+def _slice_template(t: quant.QTensor) -> quant.QTensor:
+    # the template of one slice along the leading (stacked) axis
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), t)
+
+
+def _template(qt: quant.QTensor) -> quant.QTensor:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), qt)
+
+
+def _materialize(invals: list) -> list:
+    return [x.value() if isinstance(x, _Lazy) else x for x in invals]
+
+
+def _scan_rule(eqn, invals: list) -> list:
+    nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+    new_invals, body_lazy, linear = [], {}, []
+    n_consts = 0
+    given_linear = eqn.params.get("linear")  # not a scan parameter in every JAX release
+    for k, x in enumerate(invals):
+        lin = given_linear[k] if given_linear is not None else False
+        pushable = isinstance(x, _Lazy) and (k < nc or (k >= nc + ncarry and len(x.template.q.shape) > 2))
+        if pushable:
+            tmpl = x.template if k < nc else _slice_template(x.template)
+            body_lazy[len(new_invals)] = tmpl
+            new_invals.extend(x.comps)
+            linear.extend([False] * len(x.comps))
+            n_consts += len(x.comps) if k < nc else 0
+        else:
+            new_invals.append(x.value() if isinstance(x, _Lazy) else x)
+            linear.append(lin)
+            n_consts += 1 if k < nc else 0
+    if not body_lazy:
+        return core.bind_eqn(eqn, new_invals)
+    body = _rewrite_closed(eqn.params["jaxpr"], body_lazy, {})
+    params = dict(eqn.params, jaxpr=body, num_consts=n_consts)
+    if given_linear is not None:
+        params["linear"] = tuple(linear)
+    return core.bind_eqn(eqn, new_invals, params)
+
+
+def _rule(eqn, invals: list):
+    if not any(isinstance(x, _Lazy) for x in invals):
+        return None
+    if eqn.primitive is P.scan_p:
+        return _scan_rule(eqn, invals)
+    # one dequantization per equation that reads the matrix
+    return core.bind_eqn(eqn, _materialize(invals))
+
+
+def _rewrite_closed(closed: C.ClosedJaxpr, lazy: dict[int, quant.QTensor],
+                    forward_outputs: dict[int, int]) -> C.ClosedJaxpr:
+    """``closed`` with invar ``i`` of ``lazy`` replaced by the template's components.
+
+    ``forward_outputs``: output position -> the lazy input index it may
+    return as its components (when the output is that input, unchanged).
+    """
+    inner = closed.jaxpr
+    avals = []
+    slices = []
+    for i, v in enumerate(inner.invars):
+        if i in lazy:
+            leaves = jax.tree.leaves(lazy[i])
+            slices.append((i, len(avals), len(leaves)))
+            avals.extend(leaves)
+        else:
+            slices.append((i, len(avals), 1))
+            avals.append(core._aval_struct(v.aval))
+
+    def fun(*flat):
+        args = []
+        for i, start, n in slices:
+            args.append(_Lazy(lazy[i], flat[start:start + n]) if i in lazy else flat[start])
+        env_outs = _eval(inner, list(closed.consts), args)
+        outs = []
+        for o, x in enumerate(env_outs):
+            if isinstance(x, _Lazy):
+                src = forward_outputs.get(o)
+                if src is not None and x is args[src]:
+                    outs.extend(x.comps)
+                    continue
+                x = x.value()
+            outs.append(x)
+        return outs
+
+    return jax.make_jaxpr(fun)(*avals)
+
+
+def _eval(jaxpr, consts, args) -> list:
+    # core.eval_jaxpr_with, reading _Lazy values through to the rule
+    return core.eval_jaxpr_with(jaxpr, consts, args, _rule)
+
+
+def dequantize_inputs(closed: C.ClosedJaxpr, quantized: dict[int, quant.QTensor],
+                      forward_outputs: dict[int, int] | None = None) -> C.ClosedJaxpr:
+    """Rewrites a jaxpr traced for float inputs to take quantized ones.
+
+    Args:
+      closed: The traced jaxpr; input ``i`` of ``quantized`` is the float
+        value of that :class:`~pockjax.quant.QTensor`.
+      quantized: Input index -> the QTensor (arrays or ``ShapeDtypeStruct``
+        leaves; only shapes and dtypes are read).
+      forward_outputs: Output position -> input index: where that output is
+        the input itself, it becomes the input's components.
+
+    Returns:
+      A closed jaxpr whose inputs are the original ones with each quantized
+      input replaced by its components (``jax.tree.leaves`` order), and whose
+      outputs are the original ones with each forwarded quantized input
+      replaced the same way.
+
+    Example:
+        >>> import numpy as np, jax.numpy as jnp
+        >>> qt = quant.quantize(np.ones((64, 4), np.float32), "q8_0", transposed=True)
+        >>> closed = jax.make_jaxpr(lambda w, x: x @ w)(qt.abstract(), jnp.ones((2, 64)))
+        >>> new = dequantize_inputs(closed, {0: qt})
+        >>> [(v.aval.shape, v.aval.dtype.name) for v in new.jaxpr.invars]
+        [((4, 64), 'int8'), ((4, 2), 'float16'), ((2, 64), 'float32')]
+        >>> C.eval_jaxpr(new.jaxpr, new.consts, qt.q, qt.scale, jnp.ones((2, 64)))[0][0, :2]
+        Array([64., 64.], dtype=float32)
+    """
+    lazy = {i: _template(q) for i, q in quantized.items()}
+    return _rewrite_closed(closed, lazy, dict(forward_outputs or {}))
+
+
+def quantized_jit(fn: Callable, **jit_kwargs: Any) -> Callable:
+    """``jax.jit(fn)`` that accepts :class:`~pockjax.quant.QTensor` leaves in its arguments.
+
+    ``fn`` is written for float arrays; each QTensor is dequantized right
+    before each use inside the compiled function (a ``scan`` over stacked
+    layers dequantizes one layer per iteration). Compiled once per argument
+    structure and shapes. ``jit_kwargs`` go to ``jax.jit`` of the rewritten
+    function (``donate_argnums`` counts flat leaves then, so it is refused).
+
+    Example:
+        >>> import numpy as np, jax.numpy as jnp
+        >>> w = np.linspace(-1, 1, 64 * 3, dtype=np.float32).reshape(64, 3)
+        >>> qt = quant.quantize(w, "q8_0", transposed=True)
+        >>> f = quantized_jit(lambda p, x: x @ p["w"])
+        >>> x = jnp.ones((1, 64))
+        >>> bool(jnp.allclose(f({"w": qt}, x), x @ quant.dequantize(qt), atol=1e-5))
+        True
+    """
+    if "donate_argnums" in jit_kwargs or "static_argnums" in jit_kwargs:
+        raise TypeError("quantized_jit takes no donate_argnums / static_argnums")
+    cache: dict = {}
+
+    def call(*args):
+        flat, tree = jax.tree_util.tree_flatten(args, is_leaf=quant.is_qtensor)
+        key = (tree, tuple((jax.tree.structure(x), tuple((tuple(y.shape), str(y.dtype)) for y in jax.tree.leaves(x)))
+                           for x in flat))
+        hit = cache.get(key)
+        if hit is None:
+            logical = [x.abstract() if quant.is_qtensor(x) else jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype)
+                       for x in flat]
+
+            def flat_fn(*leaves):
+                return fn(*jax.tree_util.tree_unflatten(tree, list(leaves)))
+
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*logical)
+            quantized = {i: x for i, x in enumerate(flat) if quant.is_qtensor(x)}
+            new = dequantize_inputs(closed, quantized)
+            out_tree = jax.tree.structure(out_shape)
+            run = jax.jit(lambda *xs: C.eval_jaxpr(new.jaxpr, new.consts, *xs), **jit_kwargs)
+            hit = cache[key] = (run, out_tree)
+        run, out_tree = hit
+        return jax.tree_util.tree_unflatten(out_tree, run(*jax.tree.leaves(flat)))
+
+    return call

@@ -1,0 +1,181 @@
+"""Frozen weights kept quantized: formats against gguf's reference, the compiled step, guards."""
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import pockjax
+from pockjax import quant
+from pockjax.models import llama
+from pockjax.paths import flatten_params, unflatten_params
+from pockjax.train.steps import answer_train_step
+from pockjax.transforms.dequantize import dequantize_inputs, quantized_jit
+
+FORMATS = ["q8_0", "q4_0", "q4_1"]
+
+
+def _gguf_type(qtype):
+    return getattr(gguf.GGMLQuantizationType, qtype.upper())
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_quantize_and_dequantize_equal_gguf_reference(qtype):
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(3, 8, 96)).astype(np.float32)
+    w[0, 0, :32] = 0.0  # an all-zero block: scale 0
+    w[1, 2, 32:64] = 5.0  # a constant block
+    ref_bytes = gguf.quants.quantize(w, _gguf_type(qtype))
+    ref_value = gguf.quants.dequantize(ref_bytes, _gguf_type(qtype))
+    qt = quant.quantize(w, qtype)
+    assert (quant.to_gguf_blocks(qt) == ref_bytes).all()
+    loaded = quant.from_gguf_blocks(ref_bytes, qtype.upper(), w.shape)
+    for fn in (quant.dequantize, jax.jit(quant.dequantize)):
+        assert np.array_equal(np.asarray(fn(loaded)), ref_value)
+    # transposed: blocks along the second-to-last axis of the value
+    qt_t = quant.quantize(np.swapaxes(w, -1, -2), qtype, transposed=True)
+    assert qt_t.shape == (3, 96, 8)
+    assert (quant.to_gguf_blocks(qt_t) == ref_bytes).all()
+    assert np.array_equal(np.asarray(quant.dequantize(qt_t)), np.swapaxes(ref_value, -1, -2))
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_dequantize_in_matmul_equals_reference(qtype):
+    rng = np.random.default_rng(2)
+    w = rng.normal(size=(64, 40)).astype(np.float32)  # (in, out) kernel
+    raw = gguf.quants.quantize(w.T.copy(), _gguf_type(qtype))
+    ref = gguf.quants.dequantize(raw, _gguf_type(qtype)).T
+    qt = quant.from_gguf_blocks(raw, qtype.upper(), (40, 64), transposed=True)
+    x = rng.normal(size=(5, 64)).astype(np.float32)
+    f = quantized_jit(lambda p, x: x @ p)
+    np.testing.assert_allclose(np.asarray(f(qt, x)), x @ ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bytes_per_value():
+    w = np.ones((64, 128), np.float32)
+    for qtype in FORMATS:
+        qt = quant.quantize(w, qtype)
+        assert qt.nbytes == w.size * quant.BYTES_PER_VALUE[qtype]
+
+
+def test_quantize_refuses_bad_input():
+    with pytest.raises(quant.QuantizationError, match="multiple of 32"):
+        quant.quantize(np.ones((4, 40), np.float32), "q8_0")
+    with pytest.raises(quant.QuantizationError, match="second-to-last axis"):
+        quant.quantize(np.ones((40, 4), np.float32), "q8_0", transposed=True)
+    with pytest.raises(quant.QuantizationError, match="float matrices"):
+        quant.quantize(np.ones(64, np.float32), "q4_0")
+    with pytest.raises(quant.QuantizationError, match="NaN"):
+        quant.quantize(np.full((1, 32), np.nan, np.float32), "q4_1")
+    with pytest.raises(quant.QuantizationError, match="unknown quantized format"):
+        quant.quantize(np.ones((1, 32), np.float32), "q3_k")
+    with pytest.raises(quant.QuantizationError, match="needs 34 bytes"):
+        quant.from_gguf_blocks(np.zeros(33, np.uint8), "Q8_0", (1, 32))
+
+
+# -- the compiled step ------------------------------------------------------------
+SCHEME = pockjax.UpdateScheme({"layers.1.**": "full", "norm.*": "full"}, default="frozen")
+BATCH = {"tokens": jnp.array([[5, 6, 7, 8]] * 2), "targets": jnp.array([[6, 7, 8, 0]] * 2),
+         "loss_mask": jnp.array([[0., 1., 1., 0.]] * 2), "loss_start": jnp.array([1, 1])}
+
+
+def _quantized_params(qtype="q4_1"):
+    graphdef, params = llama.split(llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0)))
+    flat = flatten_params(params)
+    out = {}
+    for path, w in flat.items():
+        frozen = not path.startswith("layers.1") and path != "norm.scale" and w.ndim == 2
+        out[path] = quant.quantize(np.asarray(w), qtype, transposed=path.endswith("kernel")) if frozen else w
+    return graphdef, unflatten_params(out)
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_compiled_step_with_quantized_frozen_params_equals_float_step(qtype):
+    graphdef, qparams = _quantized_params(qtype)
+    tx = optax.sgd(0.1, momentum=0.9)  # smooth in the gradient: float reordering stays small
+    step = answer_train_step(graphdef, tx, window=2)
+    fparams = jax.tree.map(jnp.copy, quant.dequantize_tree(qparams))
+    ref = pockjax.compile(step, scheme=SCHEME)
+    c = pockjax.compile(step, scheme=SCHEME)
+    p1, s1 = fparams, pockjax.init_opt_state(tx, fparams, SCHEME)
+    p2 = jax.tree.map(jnp.copy, qparams)
+    s2 = pockjax.init_opt_state(tx, p2, SCHEME)
+    assert s2.nbytes == s1.nbytes
+    codes_before = quant.to_gguf_blocks(flatten_params(p2)["layers.0.mlp.w2.kernel"])
+    for _ in range(3):
+        p1, s1, l1 = ref(p1, s1, BATCH)
+        p2, s2, l2 = c(p2, s2, BATCH)
+        np.testing.assert_allclose(float(l2), float(l1), rtol=1e-5)
+    f1, f2 = flatten_params(p1), flatten_params(quant.dequantize_tree(p2))
+    for k in f1:
+        np.testing.assert_allclose(np.asarray(f2[k]), np.asarray(f1[k]), rtol=1e-3, atol=1e-4, err_msg=k)
+    # frozen quantized tensors come back as they went in: the same codes
+    after = flatten_params(p2)["layers.0.mlp.w2.kernel"]
+    assert isinstance(after, quant.QTensor) and after.qtype == qtype
+    assert (quant.to_gguf_blocks(after) == codes_before).all()
+    # the step's inputs are the codes, not float copies
+    graph = c.lower(p2, s2, BATCH).graph
+    assert "layers.0.mlp.w2.kernel.q" in graph.in_paths
+    assert "layers.0.mlp.w2.kernel" not in graph.in_paths
+
+
+def test_training_a_quantized_tensor_is_refused():
+    graphdef, qparams = _quantized_params()
+    tx = optax.adam(1e-2)
+    trains_q = pockjax.UpdateScheme({"layers.0.attn.wq.kernel": "full"}, default="frozen")
+    with pytest.raises(quant.QuantizationError, match="layers.0.attn.wq.kernel is quantized"):
+        pockjax.init_opt_state(tx, qparams, trains_q)
+    step = pockjax.compile(answer_train_step(graphdef, tx, window=2), scheme=trains_q)
+    full_state = tx.init(quant.dequantize_tree(qparams))
+    with pytest.raises(quant.QuantizationError, match="cannot be trained"):
+        step(qparams, full_state, BATCH)
+    everything = pockjax.compile(answer_train_step(graphdef, tx, window=2))
+    with pytest.raises(quant.QuantizationError, match="no scheme"):
+        everything(qparams, full_state, BATCH)
+
+
+def test_scan_over_stacked_quantized_layers_dequantizes_in_the_loop():
+    rng = np.random.default_rng(3)
+    ws = rng.normal(size=(4, 64, 64)).astype(np.float32) / 8
+    qt = quant.quantize(ws, "q8_0", transposed=True)
+
+    def f(w, x):
+        def body(h, wl):
+            return jnp.tanh(h @ wl), None
+        h, _ = jax.lax.scan(body, x, w)
+        return jnp.sum(h)
+
+    x = rng.normal(size=(2, 64)).astype(np.float32)
+    closed = jax.make_jaxpr(jax.value_and_grad(f, argnums=1))(qt.abstract(), x)
+    new = dequantize_inputs(closed, {0: qt})
+    scans = [e for e in new.jaxpr.eqns if e.primitive.name == "scan"]
+    assert scans
+    for e in scans:  # every scan reads the int8 codes; none reads a float (4, 64, 64) stack
+        shapes = [(tuple(v.aval.shape), v.aval.dtype.name) for v in e.invars]
+        assert ((4, 64, 64), "int8") in shapes
+        assert ((4, 64, 64), "float32") not in shapes
+    got = C_eval(new, qt.q, qt.scale, x)
+    want = jax.value_and_grad(f, argnums=1)(quant.dequantize(qt), x)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-4, atol=1e-6)
+
+
+def C_eval(closed, *args):
+    from pockjax import _compat as C
+
+    return C.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+
+def test_each_use_dequantizes_behind_its_own_barrier():
+    # forward and backward both read the frozen matrix: two dequantizations,
+    # so no float copy lives from the forward product to the backward one
+    qt = quant.quantize(np.ones((64, 64), np.float32), "q4_0", transposed=True)
+    f = jax.grad(lambda x, w: jnp.sum(jnp.tanh(x @ w) @ w))
+    closed = jax.make_jaxpr(f)(jnp.ones((2, 64)), qt.abstract())
+    new = dequantize_inputs(closed, {1: qt})
+    barriers = [e for e in new.jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+    uses = sum(1 for e in closed.jaxpr.eqns if closed.jaxpr.invars[1] in e.invars)
+    assert len(barriers) == uses >= 2
