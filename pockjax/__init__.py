@@ -70,11 +70,13 @@ _EXPORTS = {
     "dce": "pockjax.transforms.dce",
     "fold_dot_transpose": "pockjax.transforms.fold_dot_transpose",
     "inplace_update": "pockjax.transforms.inplace_update",
+    "mixed_precision": "pockjax.transforms.precision",
+    "QTensor": "pockjax.quant",
     "reorder_for_memory": "pockjax.transforms.reorder_for_memory",
     "sparse_grad": "pockjax.transforms.sparse_grad",
     "strip_tags": "pockjax.transforms.strip_tags",
 }
-_SUBMODULES = ("analysis", "backends", "data", "memory", "models", "optim", "runtime", "scheme", "sharding",
+_SUBMODULES = ("analysis", "backends", "data", "memory", "models", "optim", "quant", "runtime", "scheme", "sharding",
                "transforms")
 
 __all__ = sorted(_EXPORTS)

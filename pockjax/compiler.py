@@ -304,8 +304,10 @@ _NNX_KINDS: dict[type, bool] = {}
 class CompiledFunction:
     """What :func:`compile` returns: a train step with the original signature."""
 
-    def __init__(self, step, scheme, passes, target, target_options, donate, xla_options=None):
+    def __init__(self, step, scheme, passes, target, target_options, donate, xla_options=None,
+                 precision=None):
         functools.update_wrapper(self, step)
+        self.precision = precision
         self.step = step
         self.scheme = scheme
         self.passes = passes
@@ -416,7 +418,7 @@ class CompiledFunction:
             trace_args = quant.abstract(trace_args)
         traced = trace_step(self.step, trace_args, n_state_args=n_state_args)
         passes = self.passes or default_passes(self.scheme, bool(sparse_states))
-        graph = strip_tags()(passes(traced))
+        graph = self._precision(strip_tags()(passes(traced)))
         if quantized:
             graph = _with_quantized_inputs(graph, quantized, self.scheme, tree)
         if sparse_states:
@@ -438,6 +440,13 @@ class CompiledFunction:
         lowered = Lowered(traced, graph, tree, build, self._finish, in_shardings=in_shardings)
         self._cache[key] = lowered
         return lowered
+
+    def _precision(self, graph: TrainGraph) -> TrainGraph:
+        if self.precision is None:
+            return graph
+        from pockjax.transforms.precision import mixed_precision
+
+        return mixed_precision(self.precision)(graph)
 
     def _full_state_args(self, args, name: str):
         """``args`` with every :class:`SparseOptState` replaced by its full abstract form.
@@ -554,7 +563,7 @@ class CompiledFunction:
             n_state_args=1,
         )
         passes = self.passes or default_passes(self.scheme)
-        graph = strip_tags()(passes(traced))
+        graph = self._precision(strip_tags()(passes(traced)))
         n_state = len(leaves)
         aux_tree = traced.out_tree.children()[1]
 
@@ -675,6 +684,7 @@ def compile(
     target_options: dict | None = None,
     donate: bool = True,
     xla_options: dict | None = None,
+    precision: Any = None,
 ):
     """Compile a whole train step with pockjax's passes.
 
@@ -694,6 +704,14 @@ def compile(
       xla_options: XLA compiler options for the in-process step (see
         :func:`pockjax.backends.xla.xla_compile_options`), e.g.
         :func:`pockjax.train.steps.answer_step_xla_options`.
+      precision: ``None`` or ``"fp32"`` computes as traced; ``"bf16"``
+        computes every matrix product of the step in bfloat16 with float32
+        accumulation, parameters, optimizer state, loss and reductions in
+        their own dtype (:func:`~pockjax.mixed_precision`).
+
+    Parameters may hold :class:`~pockjax.quant.QTensor` leaves (frozen
+    matrices kept block-quantized): the step is traced for their float values
+    and each is dequantized right before each use (:mod:`pockjax.quant`).
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, pockjax
@@ -728,7 +746,17 @@ def compile(
                 raise BackendError(f"unknown target {target!r}; available: {sorted(_targets.names())}")
         if xla_options is not None and target is not None:
             raise BackendError("xla_options apply to the in-process XLA step; IREE targets take target_options")
-        return CompiledFunction(fn, scheme, passes, target, target_options, donate, xla_options)
+        from pockjax.transforms.precision import compute_dtype
+
+        options = xla_options
+        if compute_dtype(precision) is not None and target is None:
+            # XLA's CPU YNNPACK fusions hand some bfloat16 x bfloat16 -> float32
+            # products to a kernel that has none ("Unsupported element type for
+            # DotThunk"); XLA's own kernels run them (dropped off the CPU platform)
+            from pockjax.train.steps import XLA_OWN_DOT_KERNELS
+
+            options = {**XLA_OWN_DOT_KERNELS, **(xla_options or {})}
+        return CompiledFunction(fn, scheme, passes, target, target_options, donate, options, precision)
 
     if step is None:
         return wrap

@@ -9,7 +9,10 @@ analysis, and writes the timelines before/after the memory passes.
 ``pockjax plan`` plans one fine-tuning step of the Flax LLaMA (``llama2-7b``,
 ``smollm2-135m``, ``tiny``) from ``jax.ShapeDtypeStruct`` shapes, without
 compiling or allocating anything, with and without the in-place update order,
-and says whether it fits in ``--budget-gb``.
+and says whether it fits in ``--budget-gb``. ``--dtype``/``--quantize`` plan a
+precision policy (trained tensors and AdamW moments fp32, frozen weights bf16 or
+block-quantized) with the weights split frozen/trained; ``--fits 8,16,24``
+tabulates fp32, bf16, bf16+int8 and bf16+int4 against those devices (GiB).
 
 Both take their schemes from :mod:`pockjax.schemes`, the ones ``pockjax
 finetune`` trains (``--scheme paper --blocks N`` means the same tensors
@@ -72,7 +75,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         " or both (full and paper)")
     p.add_argument("--blocks", "--sparse-blocks", dest="blocks", type=positive_int, default=None,
                    help=blocks_help)
-    p.add_argument("--dtype", default=None, choices=("bf16", "f32"), help="default: bf16 for llama2-7b, else f32")
+    p.add_argument("--dtype", default=None, type=_dtype_arg, choices=("fp32", "bf16"),
+                   help="precision policy: trained tensors and AdamW moments fp32, frozen float tensors in"
+                        " this dtype (activations counted at fp32, an upper bound for bf16). Not given (and"
+                        " no --quantize): every tensor in one dtype, as before: bf16 for llama2-7b (AdamW"
+                        " moments too), else fp32")
+    p.add_argument("--quantize", default=None, choices=tuple(_QUANTIZE),
+                   help="frozen matrices (attention/MLP kernels, embedding, LM head) held block-quantized:"
+                        " int8 = q8_0 (34 bytes per 32 values), int4 = q4_1 (20 bytes per 32); trained"
+                        " tensors stay fp32, 1-D ones in --dtype")
+    p.add_argument("--fits", default=None, type=_gib_list, metavar="GIB[,GIB...]",
+                   help="a table of which of these devices (GiB) the step fits, for fp32, bf16, bf16+int8"
+                        " and bf16+int4 (and --dtype/--quantize's combination), from one trace per scheme")
     p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--seq", type=positive_int, default=512)
     p.add_argument("--layers", type=positive_int, default=None, help="override the number of blocks")
@@ -87,6 +101,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--check", action="store_true",
                    help="with --mesh/--devices: compile one more reduced depth and print the fit's error there")
     p.set_defaults(func=run_plan)
+
+
+_QUANTIZE = ("none", "int8", "int4")  # pockjax.memory.llama_plan.QUANTIZE, without importing JAX
+
+
+def _dtype_arg(text: str) -> str:
+    """``--dtype``: ``f32`` (the old spelling) is ``fp32``; argparse's choices refuse the rest."""
+    return "fp32" if text == "f32" else text
+
+
+def _gib_list(text: str) -> tuple[float, ...]:
+    """``--fits 8,16,24``: device sizes in GiB, each finite and > 0."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"must be a comma-separated list of GiB, got {text!r}")
+    return tuple(positive_finite_float(t) for t in items)
 
 
 def _error(command: str, e: BaseException) -> int:
@@ -209,6 +239,7 @@ def _plan_inputs(args: argparse.Namespace):
 
     dtype = args.dtype or ("bf16" if args.model == "llama2-7b" else "f32")
     dt = jnp.bfloat16 if dtype == "bf16" else jnp.float32
+    dtype = "f32" if dtype == "fp32" else dtype
     _check_sizes(args)
     cfg = model_config(args.model, **({"n_layers": args.layers} if args.layers else {}))
     names = ("full", "paper") if args.scheme == "both" else (args.scheme,)
@@ -217,7 +248,12 @@ def _plan_inputs(args: argparse.Namespace):
 
 def run_plan(args: argparse.Namespace) -> int:
     if args.mesh or args.devices:
+        if args.quantize or args.fits or args.dtype == "bf16":
+            return _error("plan", ValueError("--quantize, --fits and --dtype bf16 (frozen bf16, trained fp32)"
+                                             " plan one device; not with --mesh/--devices"))
         return run_plan_per_device(args)
+    if args.dtype or args.quantize or args.fits:
+        return run_plan_precision(args)
     from pockjax.errors import PockjaxError
     from pockjax.memory import format_bytes
     from pockjax.memory.llama_plan import plan_llama
@@ -255,6 +291,76 @@ def run_plan(args: argparse.Namespace) -> int:
         if budget is not None:
             verdict = "fits" if r.inplace.fits(budget) else "does NOT fit"
             print(f"  {verdict} in {args.budget_gb:g} GiB")
+    return 0
+
+
+def _weights_lines(p) -> list[str]:
+    from pockjax.memory import format_bytes
+
+    frozen = ", ".join(f"{fmt} {format_bytes(b)}" for fmt, b in sorted(p.frozen_bytes.items(), key=lambda kv: -kv[1])
+                       if b) or "none"
+    lines = [f"  weights {format_bytes(p.weight_bytes)}: frozen {format_bytes(sum(p.frozen_bytes.values()))}"
+             f" ({frozen}), trained fp32 {format_bytes(p.trained_bytes)}",
+             f"  optimizer state (fp32 moments of what is trained): {format_bytes(p.optimizer_bytes)}"]
+    if p.dequant_bytes:
+        lines.append(f"  dequantized copy of the largest quantized matrix ({p.dtype}, one at a time, added to"
+                     f" the peak): {format_bytes(p.dequant_bytes)}")
+    return lines
+
+
+def run_plan_precision(args: argparse.Namespace) -> int:
+    """``pockjax plan --dtype/--quantize/--fits``: the precision policy, from one trace per scheme."""
+    from pockjax.errors import PockjaxError
+    from pockjax.memory import format_bytes
+    from pockjax.memory.llama_plan import PRECISIONS, QUANTIZE, check_precision, fit_table, plan_precisions
+
+    try:
+        _, _, cfg, names, schemes = _plan_inputs(args)
+        own = check_precision(args.dtype or ("bf16" if args.model == "llama2-7b" else "fp32"),
+                              args.quantize or "none")
+    except PockjaxError as e:
+        return _error("plan", e)
+    combos = list(PRECISIONS) if args.fits else []
+    if (args.dtype or args.quantize) and own not in combos:
+        combos.append(own)
+    budget = None if args.budget_gb is None else args.budget_gb * 2**30
+    print(f"{args.model}: {cfg.n_layers} blocks, d={cfg.dim}, {cfg.num_params() / 1e9:.3f} B params, AdamW,"
+          f" batch {args.batch}, seq {args.seq}; planned from shapes. Trained tensors and AdamW moments fp32;"
+          f" frozen float tensors in the dtype; frozen matrices quantized with int8 ({QUANTIZE['int8']}) or"
+          f" int4 ({QUANTIZE['int4']}); activations counted at fp32 (for bf16 an upper bound)")
+    tables = []
+    for name, scheme in zip(names, schemes):
+        try:
+            plans = plan_precisions(cfg, scheme, combos, batch=args.batch, seq=args.seq)
+        except PockjaxError as e:
+            return _error("plan", e)
+        sec = plans[0].seconds
+        print(f"\n[{scheme.name or name}]  (traced {sec['trace']:.1f} s, passes {sec['passes']:.1f} s,"
+              f" inplace_update {sec['inplace_update']:.1f} s, analysed {sum(p.seconds['analyze'] for p in plans):.1f} s"
+              f" for {len(plans)} precisions)")
+        print(f"  {_trainable_line(plans[0])}")
+        for p in plans:
+            if (p.dtype, p.quantize) != own or not (args.dtype or args.quantize):
+                continue  # --fits alone: the table only
+            print(f"  {p.name}:")
+            for line in _weights_lines(p):
+                print("  " + line)
+            print(f"    program order (as traced):  peak {format_bytes(p.program.peak_bytes + p.dequant_bytes):>11}")
+            print(f"    with inplace_update:        peak {format_bytes(p.peak_bytes):>11}"
+                  f"  ({p.peak_bytes / 1e9:.2f} GB)")
+            print("    at the peak (with inplace_update):")
+            for cat, b in p.inplace.peak_breakdown.items():
+                if b:
+                    print(f"      {cat:<17} {format_bytes(b):>11}  {100 * b / max(p.peak_bytes, 1):5.1f}%")
+            if p.dequant_bytes:
+                print(f"      {'dequantized':<17} {format_bytes(p.dequant_bytes):>11}"
+                      f"  {100 * p.dequant_bytes / max(p.peak_bytes, 1):5.1f}%")
+            if budget is not None:
+                print(f"    {'fits' if p.fits(budget) else 'does NOT fit'} in {args.budget_gb:g} GiB")
+        tables.append(plans)
+    if args.fits:
+        print("\nfits in (GiB): the peak with inplace_update, plus one dequantized matrix when quantized")
+        print(fit_table([p for plans in tables for p in plans], args.fits))
     return 0
 
 

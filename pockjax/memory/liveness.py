@@ -828,6 +828,7 @@ def _build(
     inline_calls: bool,
     const_role: str,
     alias_nodes: bool = False,
+    in_bytes: Sequence[int | None] | None = None,
 ) -> tuple[_Flattener, _Program, list[int], dict[int, str]]:
     """Flatten a (closed) jaxpr into a program over value ids."""
     inner, consts = _open(jaxpr)
@@ -840,6 +841,8 @@ def _build(
             f"out_roles has {len(out_roles)} entries, the jaxpr has {len(inner.outvars)} outputs"
         )
     donated = _normalise_donation(donate, roles, n_in)
+    if in_bytes is not None and len(in_bytes) != n_in:
+        raise ValueError(f"in_bytes has {len(in_bytes)} entries, the jaxpr has {n_in} inputs")
 
     fl = _Flattener(inline_calls, fusion, alias_nodes)
     env: dict = {}
@@ -849,6 +852,10 @@ def _build(
     in_ids = []
     for i, (iv, role) in enumerate(zip(inner.invars, roles)):
         vid = fl.new_value(iv.aval, "input", role_category=ROLE_CATEGORY.get(role, "batch"), input_index=i)
+        if in_bytes is not None and in_bytes[i] is not None:
+            if in_bytes[i] < 0:
+                raise ValueError(f"in_bytes[{i}] must be >= 0, got {in_bytes[i]}")
+            fl.values[vid].size = int(in_bytes[i])  # held in another format than its aval
         in_ids.append(vid)
         fl.bind(env, iv, vid)
     fl.run(inner, env, "", "", const_cat)
@@ -934,6 +941,7 @@ def analyze(
     fusion: str = "xla",
     const_role: str = "param",
     top_k: int = 12,
+    in_bytes: Sequence[int | None] | None = None,
 ) -> MemoryReport:
     """Liveness analysis of a closed jaxpr: peak bytes, what is live there, timeline.
 
@@ -966,6 +974,10 @@ def analyze(
         buffer: the plain equation-order estimate).
       const_role: role of closed-over constants (frozen weights, typically).
       top_k: how many of the largest buffers live at the peak to list.
+      in_bytes: one entry per flat input: the bytes it is held in, where that is not
+        its aval's (``None``: the aval's). For inputs held in another format than the
+        program reads them in, e.g. a frozen matrix kept block-quantized
+        (:mod:`pockjax.quant`) or in bfloat16 while the program is traced in float32.
 
     Returns:
       A :class:`MemoryReport`.
@@ -993,7 +1005,8 @@ def analyze(
         in_paths = in_paths if in_paths is not None else getattr(graph, "in_paths", None)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    fl, prog, out_ids, out_cat = _build(jaxpr, in_roles, out_roles, donate, fusion, inline_calls, const_role)
+    fl, prog, out_ids, out_cat = _build(jaxpr, in_roles, out_roles, donate, fusion, inline_calls, const_role,
+                                        in_bytes=in_bytes)
     values, nodes = fl.values, fl.nodes
 
     # ---- categories ------------------------------------------------------------------
