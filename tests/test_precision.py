@@ -112,5 +112,7 @@ def test_bf16_on_iree_cpu_equals_xla_and_vulkan_says_it_cannot():
     np.testing.assert_allclose(float(iree[2]), float(xla[2]), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(iree[0]["w1"]), np.asarray(xla[0]["w1"]), rtol=1e-5, atol=1e-6)
     # IREE 3.13's SPIR-V lowering has no 16-bit float storage for these programs
-    with pytest.raises(pockjax.BackendError, match="vector.bitcast"):
+    from pockjax.backends.iree.lowering import IreeCompileError
+
+    with pytest.raises(IreeCompileError, match="vector.bitcast"):
         pockjax.compile(step, target="vulkan", precision="bf16").lower(p, s, x, y).compile()
