@@ -75,7 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         " or both (full and paper)")
     p.add_argument("--blocks", "--sparse-blocks", dest="blocks", type=positive_int, default=None,
                    help=blocks_help)
-    p.add_argument("--dtype", default=None, type=_dtype_arg, choices=("fp32", "bf16"),
+    p.add_argument("--dtype", default=None, choices=("fp32", "bf16", "f32"), metavar="{fp32,bf16}",
                    help="precision policy: trained tensors and AdamW moments fp32, frozen float tensors in"
                         " this dtype (activations counted at fp32, an upper bound for bf16). Not given (and"
                         " no --quantize): every tensor in one dtype, as before: bf16 for llama2-7b (AdamW"
@@ -84,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="frozen matrices (attention/MLP kernels, embedding, LM head) held block-quantized:"
                         " int8 = q8_0 (34 bytes per 32 values), int4 = q4_1 (20 bytes per 32); trained"
                         " tensors stay fp32, 1-D ones in --dtype")
-    p.add_argument("--fits", default=None, type=_gib_list, metavar="GIB[,GIB...]",
+    p.add_argument("--fits", default=None, metavar="GIB[,GIB...]",
                    help="a table of which of these devices (GiB) the step fits, for fp32, bf16, bf16+int8"
                         " and bf16+int4 (and --dtype/--quantize's combination), from one trace per scheme")
     p.add_argument("--batch", type=positive_int, default=1)
@@ -106,17 +106,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 _QUANTIZE = ("none", "int8", "int4")  # pockjax.memory.llama_plan.QUANTIZE, without importing JAX
 
 
-def _dtype_arg(text: str) -> str:
-    """``--dtype``: ``f32`` (the old spelling) is ``fp32``; argparse's choices refuse the rest."""
-    return "fp32" if text == "f32" else text
-
-
 def _gib_list(text: str) -> tuple[float, ...]:
-    """``--fits 8,16,24``: device sizes in GiB, each finite and > 0."""
+    """``--fits 8,16,24``: device sizes in GiB, each finite and > 0 (PockjaxError otherwise)."""
+    from pockjax.errors import PockjaxError
+
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
-        raise argparse.ArgumentTypeError(f"must be a comma-separated list of GiB, got {text!r}")
-    return tuple(positive_finite_float(t) for t in items)
+        raise PockjaxError(f"--fits must be a comma-separated list of GiB, got {text!r}")
+    try:
+        return tuple(positive_finite_float(t) for t in items)
+    except argparse.ArgumentTypeError as e:
+        raise PockjaxError(f"--fits: {e} (in {text!r})") from None
 
 
 def _error(command: str, e: BaseException) -> int:
@@ -247,6 +247,15 @@ def _plan_inputs(args: argparse.Namespace):
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from pockjax.errors import PockjaxError
+
+    if args.dtype == "f32":
+        args.dtype = "fp32"  # the old spelling
+    if args.fits is not None:
+        try:
+            args.fits = _gib_list(args.fits)
+        except PockjaxError as e:
+            return _error("plan", e)
     if args.mesh or args.devices:
         if args.quantize or args.fits or args.dtype == "bf16":
             return _error("plan", ValueError("--quantize, --fits and --dtype bf16 (frozen bf16, trained fp32)"
