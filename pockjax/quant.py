@@ -10,6 +10,7 @@ format      per block of 32 values                   bytes / value
 ``q8_0``    32 int8 ``q``, float16 ``scale``         1.0625
 ``q4_0``    32 4-bit ``q`` (2 per byte), ``scale``   0.5625
 ``q4_1``    32 4-bit ``q``, ``scale`` and ``min``    0.625
+``bf16``    the values in bfloat16 (no blocks)       2
 ==========  ======================================  ===============
 
 value = ``scale * q`` (q8_0), ``scale * (q - 8)`` (q4_0), ``scale * q + min``
@@ -64,9 +65,9 @@ __all__ = [
 #: Values per block (along the stored rows).
 BLOCK = 32
 #: The supported formats, and their GGUF type names.
-FORMATS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
+FORMATS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "bf16": "BF16"}
 #: Bytes held per value of the matrix, scales included.
-BYTES_PER_VALUE = {"q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32}
+BYTES_PER_VALUE = {"q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32, "bf16": 2.0}
 
 
 class QuantizationError(PockjaxError, ValueError):
@@ -74,7 +75,7 @@ class QuantizationError(PockjaxError, ValueError):
 
 
 def _fields(qtype: str) -> tuple[str, ...]:
-    return ("q", "scale", "min") if qtype == "q4_1" else ("q", "scale")
+    return {"q4_1": ("q", "scale", "min"), "bf16": ("q",)}.get(qtype, ("q", "scale"))
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -93,7 +94,7 @@ class QTensor:
     Leading axes (stacked layers) are kept in front of every array.
     """
 
-    def __init__(self, qtype: str, q, scale, min=None, *, transposed: bool = False,
+    def __init__(self, qtype: str, q, scale=None, min=None, *, transposed: bool = False,
                  dtype: Any = jnp.float32):
         if qtype not in FORMATS:
             raise QuantizationError(f"unknown quantized format {qtype!r}; formats: {sorted(FORMATS)}")
@@ -118,7 +119,8 @@ class QTensor:
         qtype, transposed, dtype = aux
         obj = object.__new__(cls)
         obj.qtype, obj.transposed, obj.dtype = qtype, transposed, np.dtype(dtype)
-        obj.q, obj.scale = children[0], children[1]
+        obj.q = children[0]
+        obj.scale = children[1] if len(children) > 1 else None
         obj.min = children[2] if len(children) > 2 else None
         return obj
 
@@ -126,6 +128,8 @@ class QTensor:
     @property
     def stored_shape(self) -> tuple[int, ...]:
         """``(..., rows, cols)`` of the stored (dequantized, untransposed) matrix."""
+        if self.qtype == "bf16":
+            return tuple(np.shape(self.q))
         s = tuple(np.shape(self.scale))
         return s[:-1] + (s[-1] * BLOCK,)
 
@@ -202,8 +206,11 @@ def dequantize(qt: QTensor, dtype: Any = None) -> jax.Array:
         ([1.0, 1.0], -0.875)
     """
     dtype = qt.dtype if dtype is None else np.dtype(dtype)
-    scale = jnp.asarray(qt.scale).astype(jnp.float32)[..., None]
     q = jnp.asarray(qt.q)
+    if qt.qtype == "bf16":
+        value = q.astype(dtype)
+        return jnp.swapaxes(value, -1, -2) if qt.transposed else value
+    scale = jnp.asarray(qt.scale).astype(jnp.float32)[..., None]
     if qt.qtype == "q8_0":
         codes = q.reshape(q.shape[:-1] + (q.shape[-1] // BLOCK, BLOCK)).astype(jnp.float32)
         value = scale * codes
@@ -255,6 +262,11 @@ def quantize(w, qtype: str, *, transposed: bool = False, dtype: Any = None) -> Q
         dtype = a.dtype if a.dtype.name in ("float32", "bfloat16") else np.float32
     if transposed:
         a = np.swapaxes(a, -1, -2)
+    if qtype == "bf16":  # held in bfloat16, used in float32 (or dtype)
+        import ml_dtypes
+
+        return QTensor(qtype, np.ascontiguousarray(a.astype(ml_dtypes.bfloat16)), transposed=transposed,
+                       dtype=np.float32 if dtype is None or np.dtype(dtype).name == "bfloat16" else dtype)
     rows, cols = a.shape[-2:]
     if cols % BLOCK:
         axis = "second-to-last" if transposed else "last"

@@ -191,9 +191,34 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return out
 
 
+class LazyTensor:
+    """A tensor :func:`write_safetensors` computes only when it writes it (one at a time).
+
+    Attributes:
+      shape, dtype: what ``fn()`` returns (checked).
+      fn: computes the array.
+    """
+
+    def __init__(self, shape, dtype, fn):
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = np.dtype(dtype)
+        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+        self.fn = fn
+
+    def materialize(self) -> np.ndarray:
+        a = np.ascontiguousarray(np.asarray(self.fn()))
+        if a.shape != self.shape or a.dtype != self.dtype:
+            raise ValueError(f"lazy tensor computed {a.dtype}{list(a.shape)}, declared"
+                             f" {self.dtype}{list(self.shape)}")
+        return a.astype(a.dtype.newbyteorder("<")) if a.dtype.byteorder == ">" else a
+
+
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, Any],
                       metadata: dict[str, str] | None = None) -> None:
     """Writes numpy-convertible arrays to a ``.safetensors`` file, atomically and durably.
+
+    A :class:`LazyTensor` value is computed only when its bytes are written,
+    so a file larger than memory in float can be written from smaller forms.
 
     Example:
         >>> import tempfile
@@ -209,9 +234,11 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, Any],
     arrays = []
     offset = 0
     for name in sorted(tensors):
-        a = np.ascontiguousarray(np.asarray(tensors[name]))
-        if a.dtype.byteorder == ">":
-            a = a.astype(a.dtype.newbyteorder("<"))
+        a = tensors[name]
+        if not isinstance(a, LazyTensor):
+            a = np.ascontiguousarray(np.asarray(a))
+            if a.dtype.byteorder == ">":
+                a = a.astype(a.dtype.newbyteorder("<"))
         dt = names.get(a.dtype)
         if dt is None or name == "__metadata__":
             raise ValueError(f"cannot store {name!r} of dtype {a.dtype} in safetensors")
@@ -225,4 +252,6 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, Any],
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for a in arrays:
+            if isinstance(a, LazyTensor):
+                a = a.materialize()
             f.write(a.reshape(-1).view(np.uint8))

@@ -71,6 +71,9 @@ def run_finetune(args: argparse.Namespace) -> int:
         if mesh:
             return _error("finetune", ValueError("--mesh and --devices train the LLaMA models; the classifiers"
                                                  " train on one device"))
+        if args.dtype != _D.dtype or args.quantize != _D.quantize:
+            return _error("finetune", ValueError("--dtype and --quantize are for the LLaMA models; the"
+                                                 " classifiers train in float32"))
         return run_classifier(args)
     if args.image_size != _IMAGE_SIZE or args.train_per_class != _PER_CLASS or args.fraction != 0.5:
         return _error("finetune", ValueError("--image-size, --train-per-class and --fraction are for the"
@@ -84,7 +87,7 @@ def run_finetune(args: argparse.Namespace) -> int:
 
     fields = {k: getattr(args, k) for k in (
         "model", "task", "data", "scheme", "blocks", "optimizer", "lr", "steps", "batch_size",
-        "seq_len", "seed", "eval_examples", "save_every", "out", "resume", "show")}
+        "seq_len", "seed", "eval_examples", "save_every", "out", "resume", "show", "dtype", "quantize")}
     fields["mesh"] = mesh
     given = given_options(args)
     if {"mesh", "devices"} & given:  # --devices N is --mesh data=N: either one replaces the run's mesh
@@ -190,6 +193,13 @@ def register(subparsers) -> None:
                         " the host is split into that many devices")
     p.add_argument("--devices", type=positive_int, default=None, metavar="N", action=StoreGiven,
                    help="data parallel over N devices (the same as --mesh data=N)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=_D.dtype, action=StoreGiven,
+                   help="bf16: matrix products in bfloat16 and frozen float weights held in bfloat16;"
+                        " trained weights and optimizer state stay float32 (LLaMA models)")
+    p.add_argument("--quantize", choices=("none", "int8", "int4"), default=_D.quantize, action=StoreGiven,
+                   help="hold the frozen matrices block-quantized: int8 (Q8_0) or int4 (Q4_1; a GGUF"
+                        " file's own Q4_0/Q4_1 blocks are kept as they are); dequantized per product"
+                        " inside the step (LLaMA models)")
     p.add_argument("--image-size", type=positive_int, default=_IMAGE_SIZE,
                    help="classifiers: image side in pixels (mobilenetv2)")
     p.add_argument("--train-per-class", type=non_negative_int, default=_PER_CLASS,

@@ -54,7 +54,9 @@ import pockjax
 from pockjax.data import Batcher, DataError, evaluate_model, load_alpaca_jsonl, train_eval_split
 from pockjax.io.atomic import atomic_directory, pid_alive, remove_stale_temporaries, write_json
 from pockjax.io.jsonfile import read_json_object
+from pockjax import quant
 from pockjax.models import llama
+from pockjax.models.llama.mixed import LlamaWeights
 from pockjax.runtime.heap import process_rss_bytes
 from pockjax.runtime.module import file_sha256
 from pockjax.train.schemes import llama_scheme, load_scheme_file, save_scheme_file
@@ -85,7 +87,7 @@ WEIGHT_GROWTH_LIMIT = 1000.0
 #: is exact), ``save_every``, ``show``, ``progress``, ``eval_max_new_tokens``,
 #: ``mesh`` (the saved state is whole, so a run may continue on other devices).
 RESULT_FIELDS = ("model", "task", "data", "scheme", "blocks", "optimizer", "lr", "batch_size",
-                 "seq_len", "seed", "train_examples", "eval_examples")
+                 "seq_len", "seed", "train_examples", "eval_examples", "dtype", "quantize")
 
 # The default run's goal (see the closing summary).
 GOAL_ACCURACY = 0.8
@@ -126,6 +128,13 @@ class FinetuneConfig:
         ``"fsdp=8"`` (parameters and optimizer state split over 8 devices) or
         both (``"data=2,fsdp=4"``); the batch is split over all of them.
         Empty: one device. It may change on resume (the saved state is whole).
+      dtype: ``"fp32"`` or ``"bf16"``: bf16 computes every matrix product of
+        the step in bfloat16 (``pockjax.compile(precision="bf16")``) and holds
+        the frozen float tensors in bfloat16; trained tensors and the
+        optimizer state stay float32.
+      quantize: ``"none"``, ``"int8"`` or ``"int4"``: frozen matrices held
+        block-quantized (Q8_0; Q4_1, or the GGUF file's own Q4_0/Q4_1 blocks),
+        dequantized per product inside the step (:mod:`pockjax.quant`).
     """
 
     model: str = "smollm2-135m"
@@ -148,6 +157,8 @@ class FinetuneConfig:
     resume: bool = False
     progress: bool = True
     mesh: str = ""
+    dtype: str = "fp32"
+    quantize: str = "none"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -300,6 +311,49 @@ def _examples(cfg: FinetuneConfig):
     return train, held, cfg.task
 
 
+def _compute_precision(dtype: str) -> str | None:
+    """The step's compute policy for ``--dtype``: bf16 products on a GPU only.
+
+    On a CPU, XLA ran SmolLM2's paper step with bfloat16 products slower than
+    in float32 (1.21 against 0.84 s, with 0.54 against 0.44 GB of
+    temporaries, docs/precision.md): there ``--dtype bf16`` holds the frozen
+    weights in bfloat16 and computes in float32.
+    """
+    return "bf16" if dtype == "bf16" and jax.default_backend() == "gpu" else None
+
+
+def _model_of(model, graphdef, params):
+    """The model to evaluate and save: ``params`` in the form ``model`` came in."""
+    if isinstance(model, LlamaWeights):
+        return model.replace(params)
+    return llama.merge(graphdef, params)
+
+
+def _load_mixed(cfg: FinetuneConfig, source: str):
+    """The model with its frozen tensors in ``cfg.dtype`` / ``cfg.quantize`` (see :mod:`pockjax.models.llama.mixed`)."""
+    import jax.numpy as jnp
+
+    from pockjax.models.llama.mixed import load_for_training
+
+    def frozen_paths(config):
+        scheme = (load_scheme_file(os.path.join(source, "scheme.json")) if cfg.resume
+                  else llama_scheme(cfg.scheme, config, blocks=cfg.blocks))
+        flat = llama.flatten_params(_abstract_params(config))
+        rules = scheme.resolve(list(flat), [tuple(x.shape) for x in flat.values()])
+        frozen = {p for p, r in zip(flat, rules) if isinstance(r, Frozen)}
+        return frozen.__contains__
+
+    dtype = jnp.bfloat16 if cfg.dtype == "bf16" else jnp.float32
+    return load_for_training(source, frozen_paths, quantize=cfg.quantize, dtype=dtype)
+
+
+def _abstract_params(config) -> dict:
+    from flax import nnx
+
+    abstract = nnx.eval_shape(lambda: llama.Llama(config, rngs=nnx.Rngs(0)))
+    return nnx.to_pure_dict(nnx.state(abstract))
+
+
 def _eval(model, tok, held, cfg, max_new):
     if not held:
         return None
@@ -345,6 +399,13 @@ def _validate(cfg: FinetuneConfig) -> None:
         if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating)) \
                 or not (math.isfinite(lr) and lr > 0):
             raise FinetuneError(f"--lr must be a finite number > 0, got {lr!r}")
+    if cfg.dtype not in ("fp32", "bf16"):
+        raise FinetuneError(f"--dtype must be fp32 or bf16, got {cfg.dtype!r}")
+    if cfg.quantize not in ("none", "int8", "int4"):
+        raise FinetuneError(f"--quantize must be none, int8 or int4, got {cfg.quantize!r}")
+    if cfg.mesh and (cfg.dtype != "fp32" or cfg.quantize != "none"):
+        raise FinetuneError(f"--mesh trains fp32 weights: --dtype {cfg.dtype} / --quantize {cfg.quantize}"
+                            " run on one device (leave out --mesh / --devices)")
     if cfg.mesh:
         from pockjax.sharding import MODEL_AXES, parse_mesh
 
@@ -512,7 +573,12 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
                             f" the run in it, or choose another --out")
     tx = make_optimizer(cfg.optimizer, cfg.lr)
 
-    if cfg.resume:
+    mixed = cfg.dtype != "fp32" or cfg.quantize != "none"
+    if mixed and model is None:
+        model, tokenizer = _load_mixed(cfg, out if cfg.resume else cfg.model)
+        if cfg.resume:
+            log(f"resuming {out} at step {resume_state[0]['step']}")
+    elif cfg.resume:
         model, tokenizer = llama.load_pretrained(out)
         log(f"resuming {out} at step {resume_state[0]['step']}")
     elif model is None:
@@ -531,18 +597,18 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         scheme = load_scheme_file(os.path.join(out, "scheme.json"))
     else:
         scheme = llama_scheme(cfg.scheme, model.config, blocks=cfg.blocks)
-    graphdef, params = llama.split(model)
-    description = scheme.describe(params)  # raises UnmatchedPatternError on a mismatch
+    graphdef, params = (model.graphdef, model.params) if isinstance(model, LlamaWeights) else llama.split(model)
+    description = scheme.describe(quant.abstract(params))  # raises UnmatchedPatternError on a mismatch
     if description.trainable == 0:
         raise SchemeError(f"the scheme {scheme.name or cfg.scheme} freezes every parameter of the"
                           f" model: fine-tuning would train nothing; give some parameters a 'full'"
                           f" or channels(...) rule")
-    flat_params = llama.flatten_params(params)
-    bad = first_non_finite(weights=flat_params)
+    flat_params = llama.flatten_params(params)  # QTensor values stay whole (frozen, never read)
+    bad = first_non_finite(weights=params)
     if bad:
         raise NonFiniteError(f"the model {out if cfg.resume else cfg.model} holds non-finite"
                              f" weights ({bad}); fine-tuning cannot start from it")
-    rules = scheme.resolve(list(flat_params), [np.shape(x) for x in flat_params.values()])
+    rules = scheme.resolve(list(flat_params), [tuple(x.shape) for x in flat_params.values()])
     trained_paths = [p for p, r in zip(flat_params, rules) if not isinstance(r, Frozen)]
     full_paths = [p for p, r in zip(flat_params, rules) if isinstance(r, Full)]
     answers = [len(tokenizer.encode(ex.answer, add_bos=False)) for ex in held]
@@ -620,7 +686,8 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     # The step also returns a health scalar: the squared norm of the fully
     # trained weights, not finite if the loss or one of them is not.
     step_fn = pockjax.compile(answer_train_step(graphdef, tx, window, health=scheme),
-                              scheme=scheme, xla_options=ANSWER_STEP_XLA_OPTIONS)
+                              scheme=scheme, xla_options=ANSWER_STEP_XLA_OPTIONS,
+                              precision=_compute_precision(cfg.dtype))
 
     def batch_at(i):
         batch = {k: jnp.asarray(v) for k, v in batcher.batch(i).items()}
@@ -672,7 +739,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
             raise NonFiniteError(f"not saving step {step}: {bad} is not finite; {out} keeps the"
                                  f" checkpoint of step {last_saved[0]}")
         metrics["step"] = step
-        write_output(out, model=llama.merge(graphdef, params), tokenizer=tokenizer,
+        write_output(out, model=_model_of(model, graphdef, params), tokenizer=tokenizer,
                      scheme=scheme, metrics=metrics, run=run, opt_state=opt_state,
                      step=step, rng=rng)
         last_saved[0] = step
@@ -709,7 +776,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     # -- 4. evaluate after, summarise, write ----------------------------------------------
     if mesh is not None:  # generation runs on one device
         params = jax.device_put(params, jax.devices()[0])
-    model = llama.merge(graphdef, params)
+    model = _model_of(model, graphdef, params)
     t = time.time()
     after = _eval(model, tokenizer, held, cfg, max_new)
     eval_after_s = time.time() - t

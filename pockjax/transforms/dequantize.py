@@ -25,6 +25,8 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from pockjax import _compat as C
 from pockjax import quant
@@ -45,9 +47,7 @@ class _Lazy:
         self.comps = list(comps)
 
     def value(self):
-        comps = jax.lax.optimization_barrier(list(self.comps))
-        tree = jax.tree.structure(self.template)
-        return quant.dequantize(jax.tree_util.tree_unflatten(tree, comps))
+        return _tied(self.template, self.comps, None)
 
 
 def _slice_template(t: quant.QTensor) -> quant.QTensor:
@@ -73,7 +73,7 @@ def _scan_rule(eqn, invals: list) -> list:
         pushable = isinstance(x, _Lazy) and (k < nc or (k >= nc + ncarry and len(x.template.q.shape) > 2))
         if pushable:
             tmpl = x.template if k < nc else _slice_template(x.template)
-            body_lazy[len(new_invals)] = tmpl
+            body_lazy[k] = tmpl  # keyed by the body input it replaces
             new_invals.extend(x.comps)
             linear.extend([False] * len(x.comps))
             n_consts += len(x.comps) if k < nc else 0
@@ -90,13 +90,151 @@ def _scan_rule(eqn, invals: list) -> list:
     return core.bind_eqn(eqn, new_invals, params)
 
 
+def _tied(template: quant.QTensor, comps: Sequence, anchor) -> jax.Array:
+    """The float value of ``comps``, computed from them *and* ``anchor`` (a value of the reader).
+
+    XLA's CPU pipeline removes ``optimization_barrier`` s before common
+    subexpression elimination, so barriers alone do not keep two readers of
+    one frozen matrix (its forward and backward products) from sharing one
+    dequantized copy, which then lives from the forward pass to the backward
+    pass. Here each reader's dequantization also reads one element ``e`` of
+    that reader's other operand: the block scales go through ``min(scale,
+    max(|e|, 65504))`` (65504 when ``e`` is NaN), which leaves every finite
+    float16 scale as it is, but makes the computations of two readers
+    different (no sharing) and places each one after its reader's operand
+    exists (just in time). A ``bf16`` tensor's values go through the same
+    ``min`` with the largest float32 instead.
+    """
+    tree = jax.tree.structure(template)
+    qt = jax.tree_util.tree_unflatten(tree, list(comps))
+    if anchor is None:
+        return quant.dequantize(qt)
+    e = jnp.reshape(anchor, (-1,))[0].astype(jnp.float32)
+    if qt.qtype == "bf16":
+        limit = jnp.float32(np.finfo(np.float32).max)
+        bound = jnp.where(e == e, jnp.maximum(jnp.abs(e), limit), limit)
+        return jnp.minimum(quant.dequantize(qt, jnp.float32), bound).astype(qt.dtype)
+    limit = jnp.float32(np.finfo(np.float16).max)
+    bound = jnp.where(e == e, jnp.maximum(jnp.abs(e), limit), limit)
+    scale = jnp.minimum(jnp.asarray(qt.scale).astype(jnp.float32), bound)
+    return quant.dequantize(quant.QTensor(qt.qtype, qt.q, scale, qt.min, transposed=qt.transposed,
+                                          dtype=qt.dtype))
+
+
+def _anchor(invals: list):
+    for x in invals:
+        if not isinstance(x, _Lazy) and isinstance(x, jax.Array | jax.core.Tracer) and jnp.size(x) > 0:
+            return x
+    return None
+
+
+def _just_in_time(invals: list) -> list:
+    """The equation's operands with each quantized one dequantized for this equation alone (:func:`_tied`)."""
+    anchor = _anchor(invals)
+    return [_tied(x.template, x.comps, anchor) if isinstance(x, _Lazy) else x for x in invals]
+
+
+def _gather_rows_rule(eqn, invals: list):
+    """An embedding lookup (whole rows of a quantized table): gather the rows' codes, then dequantize them."""
+    table, idx = invals[0], invals[1]
+    t = table.template
+    dn = eqn.params["dimension_numbers"]
+    rows, cols = t.stored_shape[-2:] if len(t.stored_shape) == 2 else (None, None)
+    if (rows is None or t.transposed or isinstance(idx, _Lazy) or len(invals) != 2
+            or tuple(dn.collapsed_slice_dims) != (0,) or tuple(dn.start_index_map) != (0,)
+            or tuple(dn.operand_batching_dims) or tuple(eqn.params["slice_sizes"]) != (1, cols)
+            or tuple(dn.offset_dims) != (len(eqn.outvars[0].aval.shape) - 1,)):
+        return None
+    comps = list(table.comps)
+    picked = [core.bind_eqn(eqn, [c, idx], dict(eqn.params, fill_value=0, slice_sizes=(1, int(c.shape[-1]))))[0]
+              for c in comps]
+    tree = jax.tree.structure(t)
+    value = quant.dequantize(jax.tree_util.tree_unflatten(tree, picked))
+    mode = eqn.params.get("mode")
+    if mode is not None and "FILL" in str(mode):
+        # the float table's gather fills a row outside the table with NaN (or the fill value)
+        fill = eqn.params.get("fill_value")
+        fill = jnp.nan if fill is None else fill
+        inside = jnp.all((idx >= 0) & (idx < rows), axis=-1)
+        value = jnp.where(inside[..., None], value, jnp.asarray(fill, value.dtype))
+    return [value.astype(eqn.outvars[0].aval.dtype)]
+
+
+#: A quantized matrix whose float copy would exceed this many bytes is
+#: dequantized in row blocks inside the product that reads it (one block's
+#: float copy at a time), not whole.
+CHUNK_BYTES = 32 << 20
+
+
+def _chunked_dot_rule(eqn, invals: list):
+    """``dot_general`` reading a large quantized 2-D matrix: one block of its stored rows at a time."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    side = 0 if isinstance(invals[0], _Lazy) else 1
+    lazy, other = invals[side], invals[1 - side]
+    t = lazy.template
+    if isinstance(other, _Lazy) or lb or rb or len(t.stored_shape) != 2:
+        return None
+    rows, cols = t.stored_shape
+    if rows * cols * 4 <= CHUNK_BYTES:
+        return None
+    n = -(-rows * cols * 4 // CHUNK_BYTES)
+    step = -(-rows // n)
+    axis = 1 if t.transposed else 0  # the logical axis of the stored rows
+    contract = (lc, rc)[side]
+    out_dtype = eqn.outvars[0].aval.dtype
+    tree = jax.tree.structure(t)
+    pieces, carry = [], None
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        # block after block: each block tied to the previous block's product (one float block alive)
+        oth = other
+        block = _tied(t, [c[start:stop] for c in lazy.comps], other if carry is None else carry)
+        if axis in contract:
+            other_axis = (rc, lc)[side][list(contract).index(axis)]
+            oth = jax.lax.slice_in_dim(oth, start, stop, axis=other_axis)
+        ops = [block, oth] if side == 0 else [oth, block]
+        part = core.bind_eqn(eqn, ops)[0]
+        if axis in contract:
+            carry = part if carry is None else carry + part
+        else:
+            pieces.append(part)
+            carry = part
+    if axis in contract:
+        return [carry.astype(out_dtype)]
+    free = [d for d in range(2) if d not in contract]
+    n_other_free = len(other.shape) - len((rc, lc)[side])
+    out_axis = free.index(axis) + (n_other_free if side == 1 else 0)
+    return [jnp.concatenate(pieces, axis=out_axis)]
+
+
 def _rule(eqn, invals: list):
     if not any(isinstance(x, _Lazy) for x in invals):
         return None
     if eqn.primitive is P.scan_p:
         return _scan_rule(eqn, invals)
-    # one dequantization per equation that reads the matrix
-    return core.bind_eqn(eqn, _materialize(invals))
+    if eqn.primitive in core.CALL_BODY and eqn.primitive not in core.CUSTOM_DERIVATIVE_CALLS:
+        # a call (a jitted helper such as jnp.take): evaluated inline, so its
+        # own equations read the quantized operand
+        body = eqn.params[core.CALL_BODY[eqn.primitive]]
+        return core.eval_jaxpr_with(core.open_jaxpr(body), list(getattr(body, "consts", [])), invals, _rule)
+    if eqn.primitive is P.transpose_p:
+        (x,) = invals
+        nd = len(x.template.shape)
+        if tuple(eqn.params["permutation"]) == tuple(range(nd - 2)) + (nd - 1, nd - 2):
+            # swapping the last two axes: the same codes, read the other way round
+            t = x.template
+            return [_Lazy(quant.QTensor(t.qtype, t.q, t.scale, t.min, transposed=not t.transposed,
+                                        dtype=t.dtype), x.comps)]
+    if eqn.primitive is P.gather_p and isinstance(invals[0], _Lazy):
+        out = _gather_rows_rule(eqn, invals)
+        if out is not None:
+            return out
+    if eqn.primitive is P.dot_general_p:
+        out = _chunked_dot_rule(eqn, invals)
+        if out is not None:
+            return out
+    # one dequantization per equation that reads the matrix, right before it
+    return core.bind_eqn(eqn, _just_in_time(invals))
 
 
 def _rewrite_closed(closed: C.ClosedJaxpr, lazy: dict[int, quant.QTensor],

@@ -96,6 +96,16 @@ def _make_rule(target, counter: list):
         return y
 
     def rule(eqn, invals):
+        if eqn.primitive is P.convert_element_type_p:
+            (x,) = invals
+            if np.dtype(jnp.result_type(x)) == np.dtype(target) and _wider(eqn.outvars[0].aval.dtype, target):
+                # a value held in the compute dtype and widened for the product
+                # (a bfloat16 frozen weight promoted to float32): the product
+                # reads the value itself, not a narrowed copy of the widened one
+                (y,) = core.bind_eqn(eqn, invals)
+                casts[id(y)] = (y, x)
+                return [y]
+            return None
         if eqn.primitive in _PRODUCTS:
             lhs, rhs = invals[0], invals[1]
             out_dtype = eqn.outvars[0].aval.dtype

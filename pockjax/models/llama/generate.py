@@ -82,11 +82,12 @@ def check_finite_weights(model: Llama, source: str = "the model") -> None:
                              f" its last good checkpoint")
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy"))
-def _generate_jit(graphdef, state, tokens, valid, key, temperature, top_p, stop_ids, pad_id,
-                  *, max_new_tokens: int, greedy: bool):
+def _generate_impl(graphdef, state, tokens, valid, key, temperature, top_p, stop_ids, pad_id,
+                   *, max_new_tokens: int, greedy: bool, stack: bool = True):
     # One scanned block compiles far faster than n_layers unrolled ones.
-    model = stack_layers(nnx.merge(graphdef, state))
+    model = nnx.merge(graphdef, state)
+    if stack:
+        model = stack_layers(model)
     b, p = tokens.shape
     total = p + max_new_tokens
     cache = init_cache(model.config, b, total, model.embed.embedding.dtype)
@@ -116,6 +117,24 @@ def _generate_jit(graphdef, state, tokens, valid, key, temperature, top_p, stop_
     init = (first, next_pos, cache, done, key)
     _, rest = jax.lax.scan(step, init, jnp.arange(max_new_tokens - 1))
     return jnp.concatenate([first[:, None], rest.T], axis=1)
+
+
+_generate_jit = jax.jit(_generate_impl, static_argnames=("graphdef", "max_new_tokens", "greedy", "stack"))
+_MIXED: dict = {}
+
+
+def _generate_mixed(graphdef, params, *args, max_new_tokens: int, greedy: bool):
+    # Quantized or mixed-dtype weights: the layers stay unrolled (stacking
+    # them would make one float copy of every frozen matrix) and each frozen
+    # matrix is dequantized right before each product, in the decoding loop.
+    from pockjax.transforms.dequantize import quantized_jit
+
+    key = (graphdef, max_new_tokens, greedy)
+    fn = _MIXED.get(key)
+    if fn is None:
+        fn = _MIXED[key] = quantized_jit(functools.partial(
+            _generate_impl, graphdef, max_new_tokens=max_new_tokens, greedy=greedy, stack=False))
+    return fn(params, *args)
 
 
 def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
@@ -167,7 +186,11 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
         raise InputError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds"
                          f" the model's context of {limit} tokens")
     pad_len = min(pad_len, limit - max_new_tokens)
-    graphdef, state = nnx.split(model)
+    from pockjax.models.llama.mixed import LlamaWeights
+
+    mixed = isinstance(model, LlamaWeights)
+    graphdef, state = (model.graphdef, model.params) if mixed else nnx.split(model)
+    run = _generate_mixed if mixed else _generate_jit
     # Pad the stop list to a fixed size so that it does not change the compiled shape.
     stop_list = list(stop_ids)
     stop = jnp.asarray(stop_list + [-1] * (-len(stop_list) % 4 or (4 if not stop_list else 0)),
@@ -185,7 +208,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
             tokens[i, pad_len - len(p):] = p
             valid[i, pad_len - len(p):] = True
         key, sub = jax.random.split(key)
-        out = _generate_jit(graphdef, state, jnp.asarray(tokens), jnp.asarray(valid), sub,
+        out = run(graphdef, state, jnp.asarray(tokens), jnp.asarray(valid), sub,
                             jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p), stop,
                             jnp.int32(pad_id), max_new_tokens=max_new_tokens,
                             greedy=temperature <= 0.0)

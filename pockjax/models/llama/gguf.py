@@ -235,12 +235,34 @@ def _target(path: str, name: str, cfg: LlamaConfig
     raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} in a llama GGUF file")
 
 
-def read_gguf(path: str | os.PathLike, **config_overrides: Any
+def _kept_quantized(raw: np.ndarray, t: Any, target: str, want: str, cfg: LlamaConfig):
+    """The QTensor of a frozen matrix: the file's blocks when it is in ``want``, else requantized."""
+    from pockjax import quant
+
+    kernel = target.endswith("kernel")
+    if t.type_name.lower() != want or want == "bf16":
+        _, fn = _target("", t.name, cfg)
+        return quant.quantize(fn(dequantize(raw, t.type_name, t.shape)), want, transposed=kernel)
+    qt = quant.from_gguf_blocks(raw, t.type_name, t.shape, transposed=kernel)
+    heads = cfg.n_heads if ".attn.wq." in target else cfg.n_kv_heads if ".attn.wk." in target else None
+    if heads is not None:  # llama.cpp's Q/K row order, undone on the rows of every block array
+        import jax
+
+        qt = jax.tree.map(lambda c: np.ascontiguousarray(unpermute_qk(c, heads)), qt)
+    return qt
+
+
+def read_gguf(path: str | os.PathLike, *, formats: Callable | None = None, **config_overrides: Any
               ) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     """Reads a LLaMA GGUF file into a config and flat float32 numpy params.
 
     Args:
       path: The ``.gguf`` file (or a reader from :func:`open_gguf`).
+      formats: Optional ``formats(config) -> fmt``, where ``fmt(path, shape,
+        file_type)`` gives each tensor's format: a dtype (dequantized to it),
+        or ``"q8_0"`` / ``"q4_0"`` / ``"q4_1"``: a :class:`~pockjax.quant.QTensor`
+        (the file's blocks as stored when the file has that type). See
+        :func:`pockjax.models.llama.mixed.tensor_formats`.
       **config_overrides: Fields of :class:`LlamaConfig` to override (e.g.
         ``max_seq_len=1024``); ``scan_layers`` only affects :func:`build_model`.
 
@@ -259,11 +281,20 @@ def read_gguf(path: str | os.PathLike, **config_overrides: Any
     reader = open_gguf(path) if isinstance(path, (str, os.PathLike)) else path
     path = reader.path
     cfg = gguf_config(reader, **config_overrides)
+    fmt = formats(cfg) if formats is not None else None
     params: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         target, fn = _target(path, t.name, cfg)
         if target in params:
             raise GGUFError(f"{path}: two tensors map to {target}")
+        shape = t.shape[::-1] if target.endswith("kernel") else t.shape
+        want = fmt(target, tuple(shape), t.type_name) if fmt is not None else None
+        if isinstance(want, str):
+            try:
+                params[target] = _kept_quantized(reader.tensor_bytes(t), t, target, want, cfg)
+            except (ValueError, GGUFError, UnsupportedModelError) as e:
+                raise GGUFError(f"{path}: tensor {t.name}: {e}") from None
+            continue
         try:
             w = dequantize(reader.tensor_bytes(t), t.type_name, t.shape)
         except (GGUFError, UnsupportedModelError) as e:
@@ -273,7 +304,7 @@ def read_gguf(path: str | os.PathLike, **config_overrides: Any
         except ValueError:  # a Q/K projection whose rows do not split into the heads
             raise GGUFError(f"{path}: tensor {t.name} has shape {t.shape}, which does not fit"
                             f" the config's {cfg.n_heads} heads") from None
-        params[target] = np.ascontiguousarray(w)
+        params[target] = np.ascontiguousarray(w if want is None else w.astype(want))
     check_params(path, cfg, params, GGUFError)
     return cfg, params
 

@@ -222,9 +222,25 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike) -> None:
     """
     from pockjax.models.llama.model import flatten_params, split
 
+    from pockjax import quant
+    from pockjax.io.safetensors import LazyTensor
+    from pockjax.models.llama.mixed import LlamaWeights
+
     cfg: LlamaConfig = model.config
     os.makedirs(path, exist_ok=True)
-    flat = {k: np.asarray(v) for k, v in flatten_params(split(model)[1]).items()}
+    params = model.params if isinstance(model, LlamaWeights) else split(model)[1]
+    # a quantized matrix is written as float32, dequantized when its bytes are written
+    flat = {k: v if quant.is_qtensor(v) else np.asarray(v) for k, v in flatten_params(params).items()}
+
+    def transposed(v):
+        if quant.is_qtensor(v):
+            return LazyTensor(v.shape[::-1], np.float32, lambda: np.asarray(quant.dequantize(v, np.float32)).T)
+        return v.T
+
+    def whole(v):
+        if quant.is_qtensor(v):
+            return LazyTensor(v.shape, np.float32, lambda: np.asarray(quant.dequantize(v, np.float32)))
+        return v
     if cfg.scan_layers:
         unstacked = {}
         for k, v in flat.items():
@@ -235,15 +251,15 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike) -> None:
                 unstacked[k] = v
         flat = unstacked
     inverse = {target: (leaf, t) for leaf, (target, t) in _HF_NAMES.items()}
-    tensors = {"model.embed_tokens.weight": flat["embed.embedding"],
-               "model.norm.weight": flat["norm.scale"]}
+    tensors = {"model.embed_tokens.weight": whole(flat["embed.embedding"]),
+               "model.norm.weight": whole(flat["norm.scale"])}
     if not cfg.tie_embeddings:
-        tensors["lm_head.weight"] = flat["lm_head.kernel"].T
+        tensors["lm_head.weight"] = transposed(flat["lm_head.kernel"])
     for k, v in flat.items():
         if k.startswith("layers."):
             _, idx, rest = k.split(".", 2)
             leaf, transpose = inverse[rest]
-            tensors[f"model.layers.{idx}.{leaf}"] = v.T if transpose else v
+            tensors[f"model.layers.{idx}.{leaf}"] = transposed(v) if transpose else whole(v)
     write_safetensors(os.path.join(path, "model.safetensors"), tensors,
                       metadata={"format": "pt"})
     config_json = {

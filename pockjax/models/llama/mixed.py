@@ -1,0 +1,169 @@
+"""A LLaMA whose frozen weights are held quantized or in bfloat16: :class:`LlamaWeights`.
+
+:func:`load_for_training` reads a GGUF file or a Hugging Face directory one
+tensor at a time into the parameters a train step receives, given which
+tensors the scheme freezes:
+
+* a frozen matrix with ``quantize="int8"`` becomes a Q8_0
+  :class:`~pockjax.quant.QTensor`, with ``"int4"`` a Q4_1 one; a GGUF tensor
+  already stored in that width (Q8_0; Q4_0 or Q4_1) keeps its blocks as
+  they are in the file, bit for bit. A matrix whose blocked axis is not a
+  multiple of 32 stays a float array.
+* with ``dtype`` bfloat16, every other frozen matrix is a ``bf16``
+  QTensor (held in bfloat16, widened right before each product) and every
+  other frozen tensor (norm scales) a bfloat16 array;
+* trained tensors (fully or by channels) are float32: the master copies.
+
+No float copy of the whole model is ever made. :class:`LlamaWeights` is what
+``pockjax finetune`` trains, evaluates (:func:`~pockjax.models.llama.generate`
+accepts it) and saves (:func:`~pockjax.models.llama.save_hf_checkpoint`,
+which dequantizes one tensor at a time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pockjax import quant
+from pockjax.errors import InputError, ModelFileError
+from pockjax.models.llama.config import LlamaConfig
+
+__all__ = ["LlamaWeights", "QUANTIZE", "load_for_training", "tensor_formats"]
+
+#: ``--quantize`` choices -> the GGUF formats kept as they are, and the format a float tensor gets.
+QUANTIZE = {"none": ((), None), "int8": (("q8_0",), "q8_0"), "int4": (("q4_0", "q4_1"), "q4_1")}
+
+
+@dataclasses.dataclass
+class LlamaWeights:
+    """A LLaMA as its graph definition and a parameter dict that may hold QTensors and mixed dtypes.
+
+    Attributes:
+      config: The model's :class:`LlamaConfig`.
+      graphdef: The NNX graph definition (``llama.split(model)[0]``).
+      params: Nested dict of arrays and :class:`~pockjax.quant.QTensor` s.
+    """
+
+    config: LlamaConfig
+    graphdef: Any
+    params: dict
+
+    def replace(self, params: dict) -> "LlamaWeights":
+        return dataclasses.replace(self, params=params)
+
+    @property
+    def nbytes(self) -> int:
+        return quant.tree_nbytes(self.params)
+
+
+def graphdef_for(config: LlamaConfig):
+    """The NNX graph definition of a :class:`Llama` of ``config`` (nothing allocated)."""
+    from flax import nnx
+
+    from pockjax.models.llama.model import Llama
+
+    return nnx.split(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))[0]
+
+
+def tensor_formats(config: LlamaConfig, frozen: Callable[[str], bool], *, quantize: str = "none",
+                   dtype: Any = jnp.float32) -> Callable[[str, tuple, str | None], Any]:
+    """``fmt(path, shape, file_type) -> format`` for the loaders: a QTensor format, or a dtype.
+
+    Example:
+        >>> fmt = tensor_formats(LlamaConfig.tiny(), lambda p: not p.startswith("layers.1"),
+        ...                      quantize="int4", dtype=jnp.bfloat16)
+        >>> fmt("layers.0.attn.wq.kernel", (64, 64), "Q4_0"), fmt("layers.0.attn.wq.kernel", (64, 64), "F32")
+        ('q4_0', 'q4_1')
+        >>> fmt("norm.scale", (64,), "F32").__name__, fmt("layers.1.mlp.w1.kernel", (64, 96), "Q4_0").__name__
+        ('bfloat16', 'float32')
+        >>> tensor_formats(LlamaConfig.tiny(), lambda p: True, dtype=jnp.bfloat16)("embed.embedding", (128, 64), "F32")
+        'bf16'
+    """
+    if quantize not in QUANTIZE:
+        raise InputError(f"unknown quantize {quantize!r}; choose one of {sorted(QUANTIZE)}")
+    kept, default = QUANTIZE[quantize]
+
+    def fmt(path: str, shape: tuple, file_type: str | None):
+        if not frozen(path):
+            return jnp.float32
+        blocked = shape[0] if path.endswith("kernel") else shape[-1]
+        if default is not None and len(shape) == 2 and blocked % quant.BLOCK == 0:
+            ftype = (file_type or "").lower()
+            return ftype if ftype in kept else default
+        if len(shape) == 2 and np.dtype(dtype) == np.dtype(jnp.bfloat16):
+            return "bf16"  # widened per product inside the step, like a quantized matrix
+        return dtype
+
+    return fmt
+
+
+def _as_param(value):
+    if quant.is_qtensor(value):
+        return jax.tree.map(jnp.asarray, value)
+    return jnp.asarray(value)
+
+
+def load_for_training(name: str | os.PathLike, frozen_paths: Callable[[LlamaConfig], Callable[[str], bool]], *,
+                      quantize: str = "none", dtype: Any = jnp.float32, **config_overrides):
+    """Loads a model for training with frozen tensors held quantized or in ``dtype``.
+
+    Args:
+      name: As for :func:`~pockjax.models.llama.load_pretrained`.
+      frozen_paths: ``frozen_paths(config) -> is_frozen(path)``, called once
+        the config is read (the scheme depends on the model's depth).
+      quantize: ``"none"``, ``"int8"`` or ``"int4"``.
+      dtype: The dtype of frozen float tensors (``jnp.bfloat16`` or float32).
+
+    Returns:
+      ``(LlamaWeights, tokenizer)``.
+
+    Example (not run: loads 135M parameters)::
+
+      weights, tok = load_for_training("smollm2-135m", lambda cfg: lambda p: "layers.29" not in p,
+                                       quantize="int4", dtype=jnp.bfloat16)
+    """
+    from pockjax.io.gguf import open_gguf
+    from pockjax.models.llama.gguf import read_gguf
+    from pockjax.models.llama.hf import read_hf_checkpoint
+    from pockjax.models.llama.pretrained import pretrained_path
+    from pockjax.models.llama.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
+    from pockjax.models.llama.weights import check_params
+    from pockjax.paths import unflatten_params
+
+    name = os.fspath(name)
+    if os.path.isdir(name):
+        cfg, flat = read_hf_checkpoint(name, **config_overrides)
+        fmt = tensor_formats(cfg, frozen_paths(cfg), quantize=quantize, dtype=dtype)
+        params = {}
+        for path in list(flat):
+            w = flat.pop(path)
+            want = fmt(path, tuple(w.shape), None)
+            if isinstance(want, str):
+                params[path] = quant.quantize(np.asarray(w, np.float32), want,
+                                              transposed=path.endswith("kernel"))
+            else:
+                params[path] = np.asarray(w).astype(want)
+        tokenizer = tokenizer_from_hf_dir(name)
+    else:
+        reader = open_gguf(pretrained_path(name))
+        holder: dict = {}
+
+        def spec(config):
+            holder["fmt"] = tensor_formats(config, frozen_paths(config), quantize=quantize, dtype=dtype)
+            return holder["fmt"]
+
+        cfg, params = read_gguf(reader, formats=spec, **config_overrides)
+        tokenizer = tokenizer_from_gguf(reader)
+    check_params(name, cfg, params, ModelFileError)
+    # one tensor at a time to the device, each host copy dropped as it goes
+    arrays = {}
+    for k in list(params):
+        arrays[k] = _as_param(params.pop(k))
+    params = unflatten_params(arrays)
+    return LlamaWeights(cfg, graphdef_for(cfg), params), tokenizer
