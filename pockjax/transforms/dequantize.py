@@ -182,7 +182,6 @@ def _chunked_dot_rule(eqn, invals: list):
     axis = 1 if t.transposed else 0  # the logical axis of the stored rows
     contract = (lc, rc)[side]
     out_dtype = eqn.outvars[0].aval.dtype
-    tree = jax.tree.structure(t)
     pieces, carry = [], None
     for start in range(0, rows, step):
         stop = min(rows, start + step)
@@ -334,7 +333,7 @@ def quantized_jit(fn: Callable, **jit_kwargs: Any) -> Callable:
         raise TypeError("quantized_jit takes no donate_argnums / static_argnums")
     cache: dict = {}
 
-    def call(*args):
+    def prepare(args):
         flat, tree = jax.tree_util.tree_flatten(args, is_leaf=quant.is_qtensor)
         key = (tree, tuple((jax.tree.structure(x), tuple((tuple(y.shape), str(y.dtype)) for y in jax.tree.leaves(x)))
                            for x in flat))
@@ -349,10 +348,17 @@ def quantized_jit(fn: Callable, **jit_kwargs: Any) -> Callable:
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*logical)
             quantized = {i: x for i, x in enumerate(flat) if quant.is_qtensor(x)}
             new = dequantize_inputs(closed, quantized)
-            out_tree = jax.tree.structure(out_shape)
             run = jax.jit(lambda *xs: C.eval_jaxpr(new.jaxpr, new.consts, *xs), **jit_kwargs)
-            hit = cache[key] = (run, out_tree)
-        run, out_tree = hit
-        return jax.tree_util.tree_unflatten(out_tree, run(*jax.tree.leaves(flat)))
+            hit = cache[key] = (run, jax.tree.structure(out_shape))
+        return hit[0], hit[1], jax.tree.leaves(flat)
 
+    def call(*args):
+        run, out_tree, leaves = prepare(args)
+        return jax.tree_util.tree_unflatten(out_tree, run(*leaves))
+
+    def lower(*args):
+        run, _, leaves = prepare(args)
+        return run.lower(*leaves)
+
+    call.lower = lower  # as jax.jit(f).lower(*args): the rewritten function lowered (memory_analysis...)
     return call

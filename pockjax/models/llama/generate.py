@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from pockjax.errors import InputError
-from pockjax.models.llama.model import Llama, init_cache, stack_layers
+from pockjax.models.llama.model import KVCache, Llama, init_cache, stack_layers
 
 __all__ = ["check_finite_weights", "generate", "generate_text", "sample_logits"]
 
@@ -91,6 +91,8 @@ def _generate_impl(graphdef, state, tokens, valid, key, temperature, top_p, stop
     b, p = tokens.shape
     total = p + max_new_tokens
     cache = init_cache(model.config, b, total, model.embed.embedding.dtype)
+    if not stack:  # unrolled layers: one cache array per layer, updated in place
+        cache = KVCache(list(cache.k), list(cache.v))
     key_valid = jnp.concatenate([valid, jnp.ones((b, max_new_tokens), bool)], axis=1)
     positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
 
@@ -99,7 +101,7 @@ def _generate_impl(graphdef, state, tokens, valid, key, temperature, top_p, stop
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return sample_logits(logits, key, temperature, top_p)
 
-    logits, cache = model.decode(tokens, positions, cache, 0, key_valid)
+    logits, cache = model.decode(tokens, positions, cache, 0, key_valid, last_only=True)
     key, sub = jax.random.split(key)
     first = pick(logits[:, -1], sub)
     done = jnp.isin(first, stop_ids)

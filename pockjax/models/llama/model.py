@@ -408,8 +408,13 @@ class Llama(nnx.Module):
             if layer_cache is not None:
                 new_k.append(layer_cache[0])
                 new_v.append(layer_cache[1])
-        new_cache = None if cache is None else (jnp.stack(new_k), jnp.stack(new_v))
-        return x, new_cache
+        if cache is None:
+            return x, None
+        if isinstance(cache[0], (list, tuple)):
+            # a cache held per layer stays per layer: each is updated in place
+            # (stacking them anew at every decoding step copies the whole cache)
+            return x, (list(new_k), list(new_v))
+        return x, (jnp.stack(new_k), jnp.stack(new_v))
 
     def logits_from_hidden(self, h: jax.Array) -> jax.Array:
         """Final norm and output projection: hidden states -> float32 logits.
@@ -499,7 +504,7 @@ class Llama(nnx.Module):
         return self.logits_from_hidden(self.hidden_states(tokens, positions, mask))
 
     def decode(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
-               cache_index: jax.Array | int, key_valid: jax.Array
+               cache_index: jax.Array | int, key_valid: jax.Array, *, last_only: bool = False
                ) -> tuple[jax.Array, KVCache]:
         """Runs ``tokens`` through the model, reading and writing a KV cache.
 
@@ -515,6 +520,9 @@ class Llama(nnx.Module):
           cache_index: First cache slot to write.
           key_valid: ``(batch, max_len)`` bool, which cache slots hold real
             tokens (including the ones being written now).
+          last_only: Return the logits of the last position only,
+            ``(batch, 1, vocab)`` (a prompt's prefill needs no others: 40
+            prompts of 48 tokens would otherwise hold 377 MB of SmolLM2 logits).
 
         Returns:
           ``(logits, cache)``: float32 logits ``(batch, seq, vocab)`` and the
@@ -534,6 +542,8 @@ class Llama(nnx.Module):
         attn_mask = causal_mask(cache_index + jnp.arange(t), key_valid)
         x = self.embed(tokens)
         x, (k, v) = self._layers(x, cos, sin, attn_mask, (cache.k, cache.v), cache_index)
+        if last_only:
+            x = x[:, -1:]
         return self.logits_from_hidden(x), KVCache(k, v)
 
 
