@@ -1,5 +1,7 @@
 """Frozen weights kept quantized: formats against gguf's reference, the compiled step, guards."""
 
+import os
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -239,3 +241,28 @@ def test_large_matrix_is_dequantized_block_by_block_in_its_products(monkeypatch,
     want = g(w, h)
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-4, atol=1e-5)  # block sums
+
+
+def test_iree_export_carries_the_quantized_weights(tmp_path):
+    from pockjax import runtime
+
+    graphdef, qparams = _quantized_params("q4_1")
+    tx = optax.sgd(0.1)
+    step_fn = answer_train_step(graphdef, tx, window=2)
+    fparams = quant.dequantize_tree(qparams)
+    sizes = {}
+    for name, params in (("float", fparams), ("q4_1", qparams)):
+        state = pockjax.init_opt_state(tx, params, SCHEME)
+        step = pockjax.compile(step_fn, scheme=SCHEME, target="cpu")
+        path = step.export(tmp_path / name, params, state, BATCH)
+        sizes[name] = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+        module = runtime.load(path)
+        xla = pockjax.compile(step_fn, scheme=SCHEME)
+        want = xla(jax.tree.map(jnp.copy, params), state, BATCH)[2]
+        got = module.step(*[np.asarray(x) for x in jax.tree.leaves(BATCH)])
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want), rtol=1e-4)
+    # the frozen matrices travel as 4-bit codes: the module directory is smaller
+    frozen_float = sum(np.prod(x.shape) * 4 for x in jax.tree.leaves(qparams, is_leaf=quant.is_qtensor)
+                       if quant.is_qtensor(x))
+    frozen_q = sum(x.nbytes for x in jax.tree.leaves(qparams, is_leaf=quant.is_qtensor) if quant.is_qtensor(x))
+    assert sizes["float"] - sizes["q4_1"] >= 0.9 * (frozen_float - frozen_q)

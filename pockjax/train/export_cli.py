@@ -50,11 +50,17 @@ def register(subparsers) -> None:
     p.add_argument("--lr", type=positive_finite_float, default=1e-4)
     p.add_argument("--num-classes", type=positive_int, default=10, help="MobileNetV2: classes of the new head")
     p.add_argument("--image-size", type=positive_int, default=224, help="MobileNetV2: image height and width")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="LLaMA: bf16 computes the matrix products in bfloat16 and holds the frozen weights"
+                        " in bfloat16 (IREE cpu and arm64; vulkan has no 16-bit floats for these programs)")
+    p.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
+                   help="LLaMA: the frozen matrices travel in the module block-quantized (Q8_0 / Q4_1)")
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=run_export)
 
 
 def run_export(args) -> int:
+    import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
@@ -74,11 +80,22 @@ def run_export(args) -> int:
         raise SystemExit(f"--seq-len {args.seq_len} is beyond the model's context of {model.config.max_seq_len}")
     graphdef, params = llama.split(model)
     scheme = llama_scheme(args.scheme, model.config, blocks=args.blocks)
+    if args.dtype != "fp32" or args.quantize != "none":
+        from pockjax.models.llama.mixed import hold_frozen
+        from pockjax.paths import leaf_paths
+        from pockjax.scheme import Frozen
+
+        paths = leaf_paths(params)
+        rules = scheme.resolve(paths, [x.shape for x in jax.tree.leaves(params)])
+        frozen = {p for p, r in zip(paths, rules) if isinstance(r, Frozen)}
+        params = hold_frozen(params, model.config, frozen.__contains__, quantize=args.quantize,
+                             dtype=jnp.bfloat16 if args.dtype == "bf16" else jnp.float32)
     tx = optax.adamw(args.lr)
     train_step = lm_train_step(graphdef, tx)
 
     options = {k: v for k, v in (("cpu", args.cpu), ("arch", args.arch)) if v}
-    step = pockjax.compile(train_step, scheme=scheme, target=args.target, target_options=options)
+    step = pockjax.compile(train_step, scheme=scheme, target=args.target, target_options=options,
+                           precision="bf16" if args.dtype == "bf16" else None)
     shape = (args.batch_size, args.seq_len)
     batch = (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.int32), jnp.ones(shape, jnp.float32))
     opt_state = pockjax.init_opt_state(tx, params, scheme)

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from pockjax.errors import InputError
-from pockjax.models.llama.model import KVCache, Llama, init_cache, stack_layers
+from pockjax.models.llama.model import Llama, decode_groups, init_cache, stack_layers
 
 __all__ = ["check_finite_weights", "generate", "generate_text", "sample_logits"]
 
@@ -83,16 +83,21 @@ def check_finite_weights(model: Llama, source: str = "the model") -> None:
 
 
 def _generate_impl(graphdef, state, tokens, valid, key, temperature, top_p, stop_ids, pad_id,
-                   *, max_new_tokens: int, greedy: bool, stack: bool = True):
-    # One scanned block compiles far faster than n_layers unrolled ones.
-    model = nnx.merge(graphdef, state)
-    if stack:
-        model = stack_layers(model)
+                   *, max_new_tokens: int, greedy: bool, groups: tuple = ()):
+    # One scanned block compiles far faster than n_layers unrolled ones. With
+    # ``groups`` (graph definitions of scanned models, one per run of alike
+    # layers), ``state`` is ``(rest, stacks)``: the non-layer parameters and
+    # each group's stacked layers.
+    if groups:
+        rest, stacks = state
+        models = [nnx.merge(g, {**rest, "layers": stack}) for g, stack in zip(groups, stacks)]
+    else:
+        models = [stack_layers(nnx.merge(graphdef, state))]
+    head = models[0]
     b, p = tokens.shape
     total = p + max_new_tokens
-    cache = init_cache(model.config, b, total, model.embed.embedding.dtype)
-    if not stack:  # unrolled layers: one cache array per layer, updated in place
-        cache = KVCache(list(cache.k), list(cache.v))
+    dtype = jnp.float32 if groups else head.embed.embedding.dtype
+    caches = [init_cache(m.config, b, total, dtype) for m in models]
     key_valid = jnp.concatenate([valid, jnp.ones((b, max_new_tokens), bool)], axis=1)
     positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
 
@@ -101,42 +106,70 @@ def _generate_impl(graphdef, state, tokens, valid, key, temperature, top_p, stop
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return sample_logits(logits, key, temperature, top_p)
 
-    logits, cache = model.decode(tokens, positions, cache, 0, key_valid, last_only=True)
+    logits, caches = decode_groups(models, tokens, positions, caches, 0, key_valid, last_only=True)
     key, sub = jax.random.split(key)
     first = pick(logits[:, -1], sub)
     done = jnp.isin(first, stop_ids)
     next_pos = positions[:, -1] + 1
 
     def step(carry, i):
-        tok, pos, cache, done, key = carry
-        logits, cache = model.decode(tok[:, None], pos[:, None], cache, p + i, key_valid)
+        tok, pos, caches, done, key = carry
+        logits, caches = decode_groups(models, tok[:, None], pos[:, None], caches, p + i, key_valid)
         key, sub = jax.random.split(key)
         new = pick(logits[:, -1], sub)
         new = jnp.where(done, pad_id, new)
         done = done | jnp.isin(new, stop_ids)
-        return (new, pos + 1, cache, done, key), new
+        return (new, pos + 1, caches, done, key), new
 
-    init = (first, next_pos, cache, done, key)
-    _, rest = jax.lax.scan(step, init, jnp.arange(max_new_tokens - 1))
-    return jnp.concatenate([first[:, None], rest.T], axis=1)
+    init = (first, next_pos, caches, done, key)
+    _, rest_tokens = jax.lax.scan(step, init, jnp.arange(max_new_tokens - 1))
+    return jnp.concatenate([first[:, None], rest_tokens.T], axis=1)
 
 
-_generate_jit = jax.jit(_generate_impl, static_argnames=("graphdef", "max_new_tokens", "greedy", "stack"))
+def _layer_groups(weights) -> tuple[tuple, list, dict]:
+    """``(graph definitions, stacked layers, other params)``: one group per run of alike layers.
+
+    Layers are alike when their parameter trees match (structure, shapes,
+    dtypes): the frozen, quantized ones and the trained, float32 ones of a
+    sparse scheme form two groups. Stacking happens on the host (a QTensor
+    stacks its codes), so no float copy of a quantized matrix is made.
+    """
+    from pockjax.models.llama.mixed import graphdef_for
+
+    layers = weights.params["layers"]
+    n = weights.config.n_layers
+
+    def signature(i):
+        leaves, tree = jax.tree.flatten(layers[i])
+        return tree, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+
+    runs, start = [], 0
+    for i in range(1, n + 1):
+        if i == n or signature(i) != signature(start):
+            runs.append((start, i))
+            start = i
+    graphdefs = tuple(graphdef_for(weights.config.replace(n_layers=b - a, scan_layers=True)) for a, b in runs)
+    stacks = [jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[i] for i in range(a, b)]) for a, b in runs]
+    rest = {k: v for k, v in weights.params.items() if k != "layers"}
+    return graphdefs, stacks, rest
+
+
+_generate_jit = jax.jit(_generate_impl, static_argnames=("graphdef", "max_new_tokens", "greedy", "groups"))
 _MIXED: dict = {}
 
 
-def _generate_mixed(graphdef, params, *args, max_new_tokens: int, greedy: bool):
-    # Quantized or mixed-dtype weights: the layers stay unrolled (stacking
-    # them would make one float copy of every frozen matrix) and each frozen
-    # matrix is dequantized right before each product, in the decoding loop.
+def _generate_mixed(groups, state, *args, max_new_tokens: int, greedy: bool):
+    # Quantized or mixed-dtype weights: each run of alike layers is stacked
+    # (codes and all) and scanned, and every frozen matrix is dequantized one
+    # layer at a time inside the loops, right before each product.
     from pockjax.transforms.dequantize import quantized_jit
 
-    key = (graphdef, max_new_tokens, greedy)
+    key = (groups, max_new_tokens, greedy)
     fn = _MIXED.get(key)
     if fn is None:
         fn = _MIXED[key] = quantized_jit(functools.partial(
-            _generate_impl, graphdef, max_new_tokens=max_new_tokens, greedy=greedy, stack=False))
-    return fn(params, *args)
+            _generate_impl, None, max_new_tokens=max_new_tokens, greedy=greedy, groups=groups))
+    return fn(state, *args)
 
 
 def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
@@ -190,9 +223,11 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     pad_len = min(pad_len, limit - max_new_tokens)
     from pockjax.models.llama.mixed import LlamaWeights
 
-    mixed = isinstance(model, LlamaWeights)
-    graphdef, state = (model.graphdef, model.params) if mixed else nnx.split(model)
-    run = _generate_mixed if mixed else _generate_jit
+    if isinstance(model, LlamaWeights):
+        groups, stacks, rest = _layer_groups(model)
+        graphdef, state, run = groups, (rest, stacks), _generate_mixed
+    else:
+        (graphdef, state), run = nnx.split(model), _generate_jit
     # Pad the stop list to a fixed size so that it does not change the compiled shape.
     stop_list = list(stop_ids)
     stop = jnp.asarray(stop_list + [-1] * (-len(stop_list) % 4 or (4 if not stop_list else 0)),

@@ -34,7 +34,7 @@ from pockjax import quant
 from pockjax.errors import InputError, ModelFileError
 from pockjax.models.llama.config import LlamaConfig
 
-__all__ = ["LlamaWeights", "QUANTIZE", "load_for_training", "tensor_formats"]
+__all__ = ["LlamaWeights", "QUANTIZE", "hold_frozen", "load_for_training", "tensor_formats"]
 
 #: ``--quantize`` choices -> the GGUF formats kept as they are, and the format a float tensor gets.
 #: A file's quantized blocks are never requantized: they are what the float
@@ -106,6 +106,31 @@ def tensor_formats(config: LlamaConfig, frozen: Callable[[str], bool], *, quanti
         return dtype
 
     return fmt
+
+
+def hold_frozen(params: dict, config: LlamaConfig, frozen: Callable[[str], bool], *, quantize: str = "none",
+                dtype: Any = jnp.float32) -> dict:
+    """An in-memory float ``params`` dict with its frozen tensors held as :func:`tensor_formats` says.
+
+    Example:
+        >>> from flax import nnx
+        >>> from pockjax.models.llama.model import Llama, split
+        >>> params = split(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)))[1]
+        >>> held = hold_frozen(params, LlamaConfig.tiny(), lambda p: p.startswith("layers.0"), quantize="int8")
+        >>> held["layers"][0]["mlp"]["w1"]["kernel"].qtype, held["layers"][1]["mlp"]["w1"]["kernel"].dtype
+        ('q8_0', dtype('float32'))
+    """
+    from pockjax.paths import flatten_params, unflatten_params
+
+    fmt = tensor_formats(config, frozen, quantize=quantize, dtype=dtype)
+    out = {}
+    for path, w in flatten_params(params).items():
+        want = fmt(path, tuple(w.shape), None)
+        if isinstance(want, str):
+            out[path] = _as_param(quant.quantize(np.asarray(w, np.float32), want, transposed=path.endswith("kernel")))
+        else:
+            out[path] = jnp.asarray(w, want)
+    return unflatten_params(out)
 
 
 def _as_param(value):

@@ -46,6 +46,7 @@ __all__ = [
     "apply",
     "causal_mask",
     "causal_query_blocks",
+    "decode_groups",
     "flatten_params",
     "init_cache",
     "merge",
@@ -408,13 +409,8 @@ class Llama(nnx.Module):
             if layer_cache is not None:
                 new_k.append(layer_cache[0])
                 new_v.append(layer_cache[1])
-        if cache is None:
-            return x, None
-        if isinstance(cache[0], (list, tuple)):
-            # a cache held per layer stays per layer: each is updated in place
-            # (stacking them anew at every decoding step copies the whole cache)
-            return x, (list(new_k), list(new_v))
-        return x, (jnp.stack(new_k), jnp.stack(new_v))
+        new_cache = None if cache is None else (jnp.stack(new_k), jnp.stack(new_v))
+        return x, new_cache
 
     def logits_from_hidden(self, h: jax.Array) -> jax.Array:
         """Final norm and output projection: hidden states -> float32 logits.
@@ -537,14 +533,43 @@ class Llama(nnx.Module):
           >>> bool(jnp.allclose(logits, model(toks), atol=1e-5))
           True
         """
-        t = tokens.shape[1]
-        cos, sin = rope_cos_sin(positions, self.config.head_dim_, self.config.rope_theta)
-        attn_mask = causal_mask(cache_index + jnp.arange(t), key_valid)
-        x = self.embed(tokens)
-        x, (k, v) = self._layers(x, cos, sin, attn_mask, (cache.k, cache.v), cache_index)
-        if last_only:
-            x = x[:, -1:]
-        return self.logits_from_hidden(x), KVCache(k, v)
+        logits, (cache,) = decode_groups([self], tokens, positions, [cache], cache_index, key_valid,
+                                         last_only=last_only)
+        return logits, cache
+
+
+def decode_groups(models: list, tokens: jax.Array, positions: jax.Array, caches: list,
+                  cache_index: jax.Array | int, key_valid: jax.Array, *, last_only: bool = False
+                  ) -> tuple[jax.Array, list]:
+    """:meth:`Llama.decode` over consecutive groups of layers, one :class:`Llama` per group.
+
+    ``models[k]`` holds group ``k``'s blocks (scanned or unrolled) and
+    ``caches[k]`` its :class:`KVCache`; the embedding, final norm and output
+    projection are ``models[0]``'s. Generation uses it for a model whose
+    layers differ in form (frozen ones quantized, trained ones in float32):
+    each run of alike layers is one ``lax.scan``.
+
+    Example:
+      >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+      >>> toks, valid = jnp.array([[5, 6, 7]]), jnp.arange(8)[None] < 3
+      >>> cache = init_cache(model.config, 1, 8)
+      >>> one, _ = model.decode(toks, jnp.arange(3)[None], cache, 0, valid)
+      >>> both, _ = decode_groups([model], toks, jnp.arange(3)[None], [cache], 0, valid)
+      >>> bool(jnp.allclose(one, both))
+      True
+    """
+    head = models[0]
+    t = tokens.shape[1]
+    cos, sin = rope_cos_sin(positions, head.config.head_dim_, head.config.rope_theta)
+    attn_mask = causal_mask(cache_index + jnp.arange(t), key_valid)
+    x = head.embed(tokens)
+    new = []
+    for model, cache in zip(models, caches):
+        x, (k, v) = model._layers(x, cos, sin, attn_mask, (cache.k, cache.v), cache_index)
+        new.append(KVCache(k, v))
+    if last_only:
+        x = x[:, -1:]
+    return head.logits_from_hidden(x), new
 
 
 def stack_layers(model: Llama) -> Llama:
