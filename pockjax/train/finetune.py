@@ -57,7 +57,7 @@ from pockjax.io.jsonfile import read_json_object
 from pockjax import quant
 from pockjax.models import llama
 from pockjax.models.llama.mixed import LlamaWeights
-from pockjax.runtime.heap import process_rss_bytes
+from pockjax.runtime.heap import process_rss_bytes, release_free_heap
 from pockjax.runtime.module import file_sha256
 from pockjax.train.schemes import llama_scheme, load_scheme_file, save_scheme_file
 from pockjax.errors import NonFiniteError, SchemeError
@@ -682,6 +682,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         metrics["eval_seconds_before"] = time.time() - t
 
     # -- 3. the train step ---------------------------------------------------------------
+    release_free_heap()  # what loading and generating freed, given back before the step's block
     window = batcher.answer_window
 
     # The step also returns a health scalar: the squared norm of the fully
@@ -700,6 +701,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     if start < cfg.steps:
         step_fn.lower(params, opt_state, batch_at(start)).compile()
     compile_s = time.time() - t
+    release_free_heap()  # the compiler's working memory
     if start < cfg.steps:
         log(f"compiled the sparse train step in {compile_s:.1f} s")
 
@@ -778,6 +780,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     if mesh is not None:  # generation runs on one device
         params = jax.device_put(params, jax.devices()[0])
     model = _model_of(model, graphdef, params)
+    release_free_heap()  # the steps' working memory, before generation's
     t = time.time()
     after = _eval(model, tokenizer, held, cfg, max_new)
     eval_after_s = time.time() - t
