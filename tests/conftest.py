@@ -22,5 +22,6 @@ def pytest_collection_modifyitems(config, items):
     """Mark the tests listed in slow_tests.txt ``slow`` (doctests included)."""
     slow = _slow_ids()
     for item in items:
-        if item.nodeid in slow:
+        # a parametrized test is listed once, without its parameters
+        if item.nodeid in slow or item.nodeid.split("[", 1)[0] in slow:
             item.add_marker(pytest.mark.slow)
