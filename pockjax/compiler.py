@@ -528,6 +528,11 @@ class CompiledFunction:
             return hit, state_def, graphdef
         flat_vars = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
         for keypath, var in flat_vars:
+            if quant.is_qtensor(var.get_raw_value()):
+                raise StepSignatureError(
+                    f"{step_name(self.step)}: NNX variable {'.'.join(keypath_to_parts(keypath))} holds a"
+                    " quantized QTensor; quantized frozen weights are compiled in functional steps"
+                    " (step(params, opt_state, *batch) with llama.split(model)), not yet in NNX steps")
             n = len(jax.tree_util.tree_leaves(var))
             if n != 1:
                 raise StepSignatureError(

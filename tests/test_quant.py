@@ -266,3 +266,19 @@ def test_iree_export_carries_the_quantized_weights(tmp_path):
                        if quant.is_qtensor(x))
     frozen_q = sum(x.nbytes for x in jax.tree.leaves(qparams, is_leaf=quant.is_qtensor) if quant.is_qtensor(x))
     assert sizes["float"] - sizes["q4_1"] >= 0.9 * (frozen_float - frozen_q)
+
+
+def test_quantized_weights_in_an_nnx_step_are_refused_clearly():
+    from flax import nnx as _nnx
+
+    model = llama.Llama(llama.LlamaConfig.tiny(), rngs=_nnx.Rngs(0))
+    kernel = model.layers[0].mlp.w1.kernel
+    kernel.set_raw_value(quant.quantize(np.asarray(kernel.get_raw_value()), "q8_0", transposed=True))
+    opt = _nnx.Optimizer(model, optax.sgd(0.1), wrt=_nnx.Param)
+
+    @pockjax.compile
+    def step(model, opt, tokens):
+        return jnp.float32(0)
+
+    with pytest.raises(pockjax.StepSignatureError, match="layers.0.mlp.w1.kernel holds a quantized QTensor"):
+        step(model, opt, jnp.ones((1, 4), jnp.int32))
