@@ -85,10 +85,17 @@ def test_quantized_and_bf16_runs_train(dirs, tmp_path, quantize, dtype):
 
 def test_resume_keeps_the_quantization_and_refuses_another(dirs, tmp_path):
     plain, _ = dirs
+    whole = finetune(cfg(model=plain, quantize="int4", steps=4, out=str(tmp_path / "w")), log=lambda s: None)
     out = str(tmp_path / "r")
     finetune(cfg(model=plain, quantize="int4", steps=2, out=out), log=lambda s: None)
+    held = json.load(open(os.path.join(out, "run.json")))["held_formats"]
+    assert held["layers.0.mlp.w1.kernel"] == "q4_1" and "layers.1.mlp.w1.kernel" not in held
     result = finetune(cfg(model=plain, quantize="int4", steps=4, out=out, resume=True), log=lambda s: None)
     assert len(result.metrics["losses"]) == 4 and isinstance(result.model, LlamaWeights)
+    # requantized from the saved checkpoint into the same formats: it continues as the whole run did
+    np.testing.assert_allclose(result.metrics["losses"], whole.metrics["losses"], rtol=1e-5)
+    kinds = {k: v.qtype for k, v in llama.flatten_params(result.model.params).items() if quant.is_qtensor(v)}
+    assert kinds == held
     with pytest.raises(FinetuneError, match="quantize"):
         finetune(cfg(model=plain, quantize="int8", steps=6, out=out, resume=True), log=lambda s: None)
 

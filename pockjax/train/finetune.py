@@ -329,7 +329,7 @@ def _model_of(model, graphdef, params):
     return llama.merge(graphdef, params)
 
 
-def _load_mixed(cfg: FinetuneConfig, source: str):
+def _load_mixed(cfg: FinetuneConfig, source: str, held: dict | None = None):
     """The model with its frozen tensors in ``cfg.dtype`` / ``cfg.quantize`` (see :mod:`pockjax.models.llama.mixed`)."""
     import jax.numpy as jnp
 
@@ -344,7 +344,7 @@ def _load_mixed(cfg: FinetuneConfig, source: str):
         return frozen.__contains__
 
     dtype = jnp.bfloat16 if cfg.dtype == "bf16" else jnp.float32
-    return load_for_training(source, frozen_paths, quantize=cfg.quantize, dtype=dtype)
+    return load_for_training(source, frozen_paths, quantize=cfg.quantize, dtype=dtype, held=held)
 
 
 def _abstract_params(config) -> dict:
@@ -576,7 +576,14 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
 
     mixed = cfg.dtype != "fp32" or cfg.quantize != "none"
     if mixed and model is None:
-        model, tokenizer = _load_mixed(cfg, out if cfg.resume else cfg.model)
+        # a resumed run requantizes its float checkpoint into the formats it
+        # trained with (a GGUF file's Q4_1 blocks stay Q4_1 under int8)
+        held = saved_run.get("held_formats") if cfg.resume else None
+        if held is not None and not (isinstance(held, dict) and all(
+                isinstance(k, str) and v in quant.FORMATS for k, v in held.items())):
+            raise FinetuneError(f"cannot resume from {out}: run.json's held_formats is not a map of"
+                                f" parameter paths to {sorted(quant.FORMATS)}")
+        model, tokenizer = _load_mixed(cfg, out if cfg.resume else cfg.model, held)
         if cfg.resume:
             log(f"resuming {out} at step {resume_state[0]['step']}")
     elif cfg.resume:
@@ -710,6 +717,9 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
                          "answer_window": window, "trainable_params": description.trainable}}
     if cfg.data:
         run["data_sha256"] = file_sha256(cfg.data)
+    if isinstance(model, LlamaWeights):
+        run["held_formats"] = {path: x.qtype for path, x in llama.flatten_params(params).items()
+                               if quant.is_qtensor(x)}
     last_saved = [start if cfg.resume else None]
 
     def diverged(step, loss, health, new_params, new_opt_state):

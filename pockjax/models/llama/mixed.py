@@ -77,8 +77,11 @@ def graphdef_for(config: LlamaConfig):
 
 
 def tensor_formats(config: LlamaConfig, frozen: Callable[[str], bool], *, quantize: str = "none",
-                   dtype: Any = jnp.float32) -> Callable[[str, tuple, str | None], Any]:
+                   dtype: Any = jnp.float32, held: dict | None = None) -> Callable[[str, tuple, str | None], Any]:
     """``fmt(path, shape, file_type) -> format`` for the loaders: a QTensor format, or a dtype.
+
+    ``held`` (path -> format) overrides the choice for those paths: a resumed
+    run requantizes its saved float checkpoint into the formats it started with.
 
     Example:
         >>> fmt = tensor_formats(LlamaConfig.tiny(), lambda p: not p.startswith("layers.1"),
@@ -97,6 +100,8 @@ def tensor_formats(config: LlamaConfig, frozen: Callable[[str], bool], *, quanti
     def fmt(path: str, shape: tuple, file_type: str | None):
         if not frozen(path):
             return jnp.float32
+        if held and path in held:  # a resumed run: the formats it trained with
+            return held[path]
         blocked = shape[0] if path.endswith("kernel") else shape[-1]
         if default is not None and len(shape) == 2 and blocked % quant.BLOCK == 0:
             ftype = (file_type or "").lower()
@@ -141,7 +146,7 @@ def _as_param(value):
 
 def load_for_training(name: str | os.PathLike, frozen_paths: Callable[[LlamaConfig], Callable[[str], bool]], *,
                       quantize: str = "none", dtype: Any = jnp.float32, tokenizer: bool = True,
-                      **config_overrides):
+                      held: dict | None = None, **config_overrides):
     """Loads a model for training with frozen tensors held quantized or in ``dtype``.
 
     Args:
@@ -151,6 +156,7 @@ def load_for_training(name: str | os.PathLike, frozen_paths: Callable[[LlamaConf
       quantize: ``"none"``, ``"int8"`` or ``"int4"``.
       dtype: The dtype of frozen float tensors (``jnp.bfloat16`` or float32).
       tokenizer: Also load the tokenizer (else None is returned for it).
+      held: Path -> QTensor format to use for those tensors (see :func:`tensor_formats`).
 
     Returns:
       ``(LlamaWeights, tokenizer)``.
@@ -171,7 +177,7 @@ def load_for_training(name: str | os.PathLike, frozen_paths: Callable[[LlamaConf
     name = os.fspath(name)
     if os.path.isdir(name):
         cfg, flat = read_hf_checkpoint(name, **config_overrides)
-        fmt = tensor_formats(cfg, frozen_paths(cfg), quantize=quantize, dtype=dtype)
+        fmt = tensor_formats(cfg, frozen_paths(cfg), quantize=quantize, dtype=dtype, held=held)
         params = {}
         for path in list(flat):
             w = flat.pop(path)
@@ -187,7 +193,7 @@ def load_for_training(name: str | os.PathLike, frozen_paths: Callable[[LlamaConf
         holder: dict = {}
 
         def spec(config):
-            holder["fmt"] = tensor_formats(config, frozen_paths(config), quantize=quantize, dtype=dtype)
+            holder["fmt"] = tensor_formats(config, frozen_paths(config), quantize=quantize, dtype=dtype, held=held)
             return holder["fmt"]
 
         cfg, params = read_gguf(reader, formats=spec, **config_overrides)
