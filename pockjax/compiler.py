@@ -758,7 +758,7 @@ def compile(
             # XLA's CPU YNNPACK fusions hand some bfloat16 x bfloat16 -> float32
             # products to a kernel that has none ("Unsupported element type for
             # DotThunk"); XLA's own kernels run them (dropped off the CPU platform)
-            from pockjax.train.steps import XLA_OWN_DOT_KERNELS
+            from pockjax.backends.xla import XLA_OWN_DOT_KERNELS
 
             options = {**XLA_OWN_DOT_KERNELS, **(xla_options or {})}
         return CompiledFunction(fn, scheme, passes, target, target_options, donate, options, precision)

@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 __all__ = ["SignatureChanged", "XlaExecutable", "xla_compile_options"]
 
 
+#: XLA compiler options that turn off XLA's YNNPACK fusions on CPU: every dot
+#: runs on XLA's own kernels (applied on the CPU platform only).
+XLA_OWN_DOT_KERNELS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
 def xla_compile_options(platform: str, xla_options: dict | None = None) -> dict:
     """The XLA compiler options that apply to a step compiled on ``platform``.
 

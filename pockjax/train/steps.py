@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-#: XLA compiler options that turn off XLA's YNNPACK fusions on CPU: every dot
-#: runs on XLA's own kernels (applied on the CPU platform only).
-XLA_OWN_DOT_KERNELS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+from pockjax.backends.xla import XLA_OWN_DOT_KERNELS  # noqa: F401  (re-exported: the step's options)
 
 
 def answer_step_xla_options(vendor: str | None = None, avx512: bool | None = None) -> dict:
