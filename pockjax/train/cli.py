@@ -7,6 +7,7 @@ import sys
 
 from pockjax._cli_args import (StoreGiven, float_in, given_options, non_negative_finite_float,
                                non_negative_int, positive_finite_float, positive_int, probability)
+from pockjax.models.llama.mixed import DTYPES, QUANTIZE
 from pockjax.train.finetune import DEFAULT_LR, FinetuneConfig
 from pockjax.train.schemes import SCHEMES
 
@@ -193,10 +194,10 @@ def register(subparsers) -> None:
                         " the host is split into that many devices")
     p.add_argument("--devices", type=positive_int, default=None, metavar="N", action=StoreGiven,
                    help="data parallel over N devices (the same as --mesh data=N)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default=_D.dtype, action=StoreGiven,
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=_D.dtype, action=StoreGiven,
                    help="bf16: matrix products in bfloat16 and frozen float weights held in bfloat16;"
                         " trained weights and optimizer state stay float32 (LLaMA models)")
-    p.add_argument("--quantize", choices=("none", "int8", "int4"), default=_D.quantize, action=StoreGiven,
+    p.add_argument("--quantize", choices=tuple(QUANTIZE), default=_D.quantize, action=StoreGiven,
                    help="hold the frozen matrices block-quantized: int8 (Q8_0) or int4 (Q4_1; a GGUF"
                         " file's own Q4_0/Q4_1 blocks are kept as they are); dequantized per product"
                         " inside the step (LLaMA models)")

@@ -27,6 +27,7 @@ from pockjax._cli_args import positive_finite_float, positive_int
 
 def register(subparsers) -> None:
     from pockjax.backends.iree.targets import names as target_names
+    from pockjax.models.llama.mixed import DTYPES, QUANTIZE
 
     targets = target_names()
     p = subparsers.add_parser(
@@ -50,10 +51,10 @@ def register(subparsers) -> None:
     p.add_argument("--lr", type=positive_finite_float, default=1e-4)
     p.add_argument("--num-classes", type=positive_int, default=10, help="MobileNetV2: classes of the new head")
     p.add_argument("--image-size", type=positive_int, default=224, help="MobileNetV2: image height and width")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                    help="LLaMA: bf16 computes the matrix products in bfloat16 and holds the frozen weights"
                         " in bfloat16 (IREE cpu and arm64; vulkan has no 16-bit floats for these programs)")
-    p.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
+    p.add_argument("--quantize", choices=tuple(QUANTIZE), default="none",
                    help="LLaMA: the frozen matrices travel in the module block-quantized (Q8_0 / Q4_1)")
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=run_export)
@@ -81,7 +82,7 @@ def run_export(args) -> int:
     graphdef, params = llama.split(model)
     scheme = llama_scheme(args.scheme, model.config, blocks=args.blocks)
     if args.dtype != "fp32" or args.quantize != "none":
-        from pockjax.models.llama.mixed import hold_frozen
+        from pockjax.models.llama.mixed import DTYPES, hold_frozen
         from pockjax.paths import leaf_paths
         from pockjax.scheme import Frozen
 
@@ -89,7 +90,7 @@ def run_export(args) -> int:
         rules = scheme.resolve(paths, [x.shape for x in jax.tree.leaves(params)])
         frozen = {p for p, r in zip(paths, rules) if isinstance(r, Frozen)}
         params = hold_frozen(params, model.config, frozen.__contains__, quantize=args.quantize,
-                             dtype=jnp.bfloat16 if args.dtype == "bf16" else jnp.float32)
+                             dtype=DTYPES[args.dtype])
     tx = optax.adamw(args.lr)
     train_step = lm_train_step(graphdef, tx)
 

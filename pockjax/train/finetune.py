@@ -331,27 +331,17 @@ def _model_of(model, graphdef, params):
 
 def _load_mixed(cfg: FinetuneConfig, source: str, held: dict | None = None):
     """The model with its frozen tensors in ``cfg.dtype`` / ``cfg.quantize`` (see :mod:`pockjax.models.llama.mixed`)."""
-    import jax.numpy as jnp
-
-    from pockjax.models.llama.mixed import load_for_training
+    from pockjax.models.llama.mixed import DTYPES, abstract_model, load_for_training
 
     def frozen_paths(config):
         scheme = (load_scheme_file(os.path.join(source, "scheme.json")) if cfg.resume
                   else llama_scheme(cfg.scheme, config, blocks=cfg.blocks))
-        flat = llama.flatten_params(_abstract_params(config))
+        flat = llama.flatten_params(abstract_model(config)[1])
         rules = scheme.resolve(list(flat), [tuple(x.shape) for x in flat.values()])
         frozen = {p for p, r in zip(flat, rules) if isinstance(r, Frozen)}
         return frozen.__contains__
 
-    dtype = jnp.bfloat16 if cfg.dtype == "bf16" else jnp.float32
-    return load_for_training(source, frozen_paths, quantize=cfg.quantize, dtype=dtype, held=held)
-
-
-def _abstract_params(config) -> dict:
-    from flax import nnx
-
-    abstract = nnx.eval_shape(lambda: llama.Llama(config, rngs=nnx.Rngs(0)))
-    return nnx.to_pure_dict(nnx.state(abstract))
+    return load_for_training(source, frozen_paths, quantize=cfg.quantize, dtype=DTYPES[cfg.dtype], held=held)
 
 
 def _eval(model, tok, held, cfg, max_new):
@@ -400,10 +390,12 @@ def _validate(cfg: FinetuneConfig) -> None:
         if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating)) \
                 or not (math.isfinite(lr) and lr > 0):
             raise FinetuneError(f"--lr must be a finite number > 0, got {lr!r}")
-    if cfg.dtype not in ("fp32", "bf16"):
-        raise FinetuneError(f"--dtype must be fp32 or bf16, got {cfg.dtype!r}")
-    if cfg.quantize not in ("none", "int8", "int4"):
-        raise FinetuneError(f"--quantize must be none, int8 or int4, got {cfg.quantize!r}")
+    from pockjax.models.llama.mixed import DTYPES, QUANTIZE
+
+    for name, choices in (("dtype", DTYPES), ("quantize", QUANTIZE)):
+        if getattr(cfg, name) not in choices:
+            *first, last = choices
+            raise FinetuneError(f"--{name} must be {', '.join(first)} or {last}, got {getattr(cfg, name)!r}")
     if cfg.mesh and (cfg.dtype != "fp32" or cfg.quantize != "none"):
         raise FinetuneError(f"--mesh trains fp32 weights: --dtype {cfg.dtype} / --quantize {cfg.quantize}"
                             " run on one device (leave out --mesh / --devices)")

@@ -5,11 +5,13 @@ it receives; :func:`dequantize_inputs` then rewrites the jaxpr so that the
 input is the quantized codes and scales instead, and the float value is
 computed from them block-wise right before every equation that reads it:
 
-* one dequantization per use, each behind an ``optimization_barrier`` of its
-  own, so that XLA neither merges them (which would keep one float copy of
-  every frozen matrix alive from the forward pass to the backward pass) nor
-  hoists them all to the start. The float copy of a matrix lives only for
-  the one product that reads it.
+* one dequantization per reader, computed from the codes and one element of
+  that reader's other operand (:func:`_tied`), so that XLA neither merges
+  them (which would keep one float copy of every frozen matrix alive from the
+  forward pass to the backward pass) nor runs them all at the start. The
+  float copy of a matrix lives only for the one product that reads it.
+* an embedding lookup gathers the codes of its rows; a product reading a
+  matrix over :data:`CHUNK_BYTES` dequantizes it block by block.
 * a ``scan`` over stacked layers receives the codes of its slice instead:
   the dequantization moves into the loop body (recursively), so a scanned
   model dequantizes one layer at a time.
@@ -57,10 +59,6 @@ def _slice_template(t: quant.QTensor) -> quant.QTensor:
 
 def _template(qt: quant.QTensor) -> quant.QTensor:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), qt)
-
-
-def _materialize(invals: list) -> list:
-    return [x.value() if isinstance(x, _Lazy) else x for x in invals]
 
 
 def _scan_rule(eqn, invals: list) -> list:

@@ -23,6 +23,7 @@ which dequantizes one tensor at a time).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, Callable
 
@@ -34,7 +35,11 @@ from pockjax import quant
 from pockjax.errors import InputError, ModelFileError
 from pockjax.models.llama.config import LlamaConfig
 
-__all__ = ["LlamaWeights", "QUANTIZE", "hold_frozen", "load_for_training", "tensor_formats"]
+__all__ = ["DTYPES", "LlamaWeights", "QUANTIZE", "abstract_model", "graphdef_for", "hold_frozen",
+           "load_for_training", "tensor_formats"]
+
+#: ``--dtype`` choices: the dtype frozen float tensors are held in.
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
 #: ``--quantize`` choices -> the GGUF formats kept as they are, and the format a float tensor gets.
 #: A file's quantized blocks are never requantized: they are what the float
@@ -67,13 +72,29 @@ class LlamaWeights:
         return quant.tree_nbytes(self.params)
 
 
-def graphdef_for(config: LlamaConfig):
-    """The NNX graph definition of a :class:`Llama` of ``config`` (nothing allocated)."""
+@functools.lru_cache(maxsize=16)
+def abstract_model(config: LlamaConfig) -> tuple[Any, dict]:
+    """``(graphdef, params)`` of a :class:`Llama` of ``config``, params as ``ShapeDtypeStruct`` s.
+
+    Nothing is allocated; cached per config (generation asks for the same
+    group configs at every call).
+
+    Example:
+        >>> graphdef, params = abstract_model(LlamaConfig.tiny())
+        >>> params["layers"][0]["mlp"]["w1"]["kernel"].shape
+        (64, 96)
+    """
     from flax import nnx
 
     from pockjax.models.llama.model import Llama
 
-    return nnx.split(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))[0]
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def graphdef_for(config: LlamaConfig):
+    """The NNX graph definition of a :class:`Llama` of ``config`` (nothing allocated)."""
+    return abstract_model(config)[0]
 
 
 def tensor_formats(config: LlamaConfig, frozen: Callable[[str], bool], *, quantize: str = "none",
@@ -128,14 +149,15 @@ def hold_frozen(params: dict, config: LlamaConfig, frozen: Callable[[str], bool]
     from pockjax.paths import flatten_params, unflatten_params
 
     fmt = tensor_formats(config, frozen, quantize=quantize, dtype=dtype)
-    out = {}
-    for path, w in flatten_params(params).items():
-        want = fmt(path, tuple(w.shape), None)
-        if isinstance(want, str):
-            out[path] = _as_param(quant.quantize(np.asarray(w, np.float32), want, transposed=path.endswith("kernel")))
-        else:
-            out[path] = jnp.asarray(w, want)
-    return unflatten_params(out)
+    return unflatten_params({path: _as_param(_held(path, w, fmt(path, tuple(w.shape), None)))
+                             for path, w in flatten_params(params).items()})
+
+
+def _held(path: str, w, want):
+    """A float tensor in the format ``want`` (a QTensor format or a dtype), on the host."""
+    if isinstance(want, str):
+        return quant.quantize(np.asarray(w, np.float32), want, transposed=path.endswith("kernel"))
+    return np.asarray(w).astype(want)
 
 
 def _as_param(value):
@@ -181,12 +203,7 @@ def load_for_training(name: str | os.PathLike, frozen_paths: Callable[[LlamaConf
         params = {}
         for path in list(flat):
             w = flat.pop(path)
-            want = fmt(path, tuple(w.shape), None)
-            if isinstance(want, str):
-                params[path] = quant.quantize(np.asarray(w, np.float32), want,
-                                              transposed=path.endswith("kernel"))
-            else:
-                params[path] = np.asarray(w).astype(want)
+            params[path] = _held(path, w, fmt(path, tuple(w.shape), None))
         tok = tokenizer_from_hf_dir(name) if tokenizer else None
     else:
         reader = open_gguf(pretrained_path(name))
