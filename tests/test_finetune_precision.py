@@ -13,18 +13,9 @@ from pockjax import quant
 from pockjax.cli import main as cli_main
 from pockjax.models import llama
 from pockjax.models.llama.mixed import LlamaWeights, load_for_training
-from pockjax.train import FinetuneConfig, FinetuneError, finetune
+from pockjax.train import FinetuneError, finetune
 from pockjax.transforms.dequantize import quantized_jit
-
-TINY = llama.LlamaConfig.tiny(vocab=259, max_seq_len=256)
-
-
-def cfg(**kw):
-    base = dict(task="uppercase", steps=4, batch_size=2, train_examples=16, eval_examples=2,
-                eval_max_new_tokens=4, save_every=2, show=1, progress=False, blocks=1)
-    base.update(kw)
-    return FinetuneConfig(**base)
-
+from tests.test_finetune import TINY, cfg  # the tiny runs' model config and FinetuneConfig
 
 def _save(model, path):
     llama.save_hf_checkpoint(model, path)
