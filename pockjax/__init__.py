@@ -65,6 +65,12 @@ _EXPORTS = {
     "Full": "pockjax.scheme",
     "UpdateScheme": "pockjax.scheme",
     "channels": "pockjax.scheme",
+    "Lora": "pockjax.scheme",
+    "lora": "pockjax.scheme",
+    "LoraTensor": "pockjax.adapters",
+    "add_adapters": "pockjax.adapters",
+    "low_rank": "pockjax.transforms.low_rank",
+    "LowRankRecord": "pockjax.transforms.low_rank",
     "Pass": "pockjax.transforms.base",
     "chain": "pockjax.transforms.base",
     "dce": "pockjax.transforms.dce",
@@ -76,7 +82,7 @@ _EXPORTS = {
     "sparse_grad": "pockjax.transforms.sparse_grad",
     "strip_tags": "pockjax.transforms.strip_tags",
 }
-_SUBMODULES = ("analysis", "backends", "data", "memory", "models", "optim", "quant", "runtime", "scheme", "sharding",
+_SUBMODULES = ("adapters", "analysis", "backends", "data", "memory", "models", "optim", "quant", "runtime", "scheme", "sharding",
                "transforms")
 
 __all__ = sorted(_EXPORTS)

@@ -53,6 +53,9 @@ def default_passes(scheme: UpdateScheme | None, sparse_opt_state: bool = False, 
                    allow_nothing_trained: bool = False) -> Pass:
     """``sparse_grad(scheme)``, ``dce()``, then ``fold_dot_transpose()`` (no ``sparse_grad`` without a scheme).
 
+    A scheme with :func:`~pockjax.lora` rules also gets :func:`~pockjax.low_rank`
+    (and a second ``dce``) after the first ``dce``.
+
     The memory passes (:func:`~pockjax.inplace_update`,
     :func:`~pockjax.reorder_for_memory`) are not in the default pipeline: measured
     on XLA and IREE (``benchmarks/memory_passes.py``, docs/memory.md), neither
@@ -67,6 +70,10 @@ def default_passes(scheme: UpdateScheme | None, sparse_opt_state: bool = False, 
     if scheme is None:
         return chain(dce(), fold_dot_transpose())
     grads = sparse_grad(scheme, sparse_opt_state=sparse_opt_state, allow_nothing_trained=allow_nothing_trained)
+    if scheme.has_lora:
+        from pockjax.transforms.low_rank import low_rank
+
+        return chain(grads, dce(), low_rank(), dce(), fold_dot_transpose())
     return chain(grads, dce(), fold_dot_transpose())
 
 

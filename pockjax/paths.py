@@ -31,11 +31,11 @@ def key_to_str(key: Any) -> str:
 
 
 def keypath_to_parts(keypath: Sequence[Any]) -> tuple[str, ...]:
-    """Path components of a JAX key path, without nnx's trailing ``.value``."""
-    parts = [key_to_str(k) for k in keypath]
-    if keypath and isinstance(keypath[-1], GetAttrKey) and parts[-1] in _VARIABLE_VALUE_ATTRS:
-        parts = parts[:-1]
-    return tuple(parts)
+    """Path components of a JAX key path, without nnx's ``.value`` attribute."""
+    # the value may itself be a pytree (a LoRA tensor's base and adapters):
+    # ``kernel.value.lora_a`` is named ``kernel.lora_a``
+    return tuple(key_to_str(k) for k in keypath
+                 if not (isinstance(k, GetAttrKey) and k.name in _VARIABLE_VALUE_ATTRS))
 
 
 def leaf_paths(tree: Any, prefix: str = "") -> list[str]:

@@ -9,7 +9,7 @@ path decides its rule. Patterns are globs over path segments:
   (``**.bias`` matches ``bias`` and ``layers.0.mlp.bias``),
 * ``?`` and ``[abc]`` as in shell globs.
 
-Rules are ``"full"``, ``"frozen"`` or :func:`channels`.
+Rules are ``"full"``, ``"frozen"``, :func:`channels` or :func:`lora`.
 """
 
 from __future__ import annotations
@@ -102,7 +102,61 @@ class Channels:
         return f"channels({what}, axis={self.axis})"
 
 
-Rule = Union[Full, Frozen, Channels]
+@dataclasses.dataclass(frozen=True)
+class Lora:
+    """Train a low-rank adapter ``W + (alpha / rank) * A @ B`` instead of the tensor (LoRA).
+
+    The tensor itself is frozen; :func:`pockjax.add_adapters` puts the factors
+    ``A`` (``(..., m, rank)``) and ``B`` (``(..., rank, n)``, zeros) beside it
+    in the params tree, under ``<path>.lora_a`` and ``<path>.lora_b`` (the
+    tensor moves to ``<path>.base``). Build it with :func:`lora`.
+    """
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+
+    @property
+    def scale(self) -> float:
+        return float(self.alpha) / int(self.rank)
+
+    def __str__(self) -> str:
+        alpha = int(self.alpha) if float(self.alpha).is_integer() else self.alpha
+        return f"lora({self.rank}, alpha={alpha})"
+
+
+#: Leaf names of a LoRA-ruled tensor's parts in the params tree.
+LORA_PARTS = ("base", "lora_a", "lora_b")
+
+
+def lora(rank: int, alpha: float | None = None, dropout: float = 0.0) -> Lora:
+    """A rule that trains a rank-``rank`` adapter of a matrix instead of the matrix (LoRA).
+
+    Args:
+      rank: the adapter's rank r (a positive int).
+      alpha: the adapter's scale numerator; the update is ``alpha / rank * A @ B``
+        (default: ``rank``, a scale of 1).
+      dropout: dropout on the adapter's input; only 0.0 is supported so far.
+
+    Example:
+        >>> import pockjax
+        >>> pockjax.lora(8, alpha=16)
+        Lora(rank=8, alpha=16.0, dropout=0.0)
+        >>> str(pockjax.lora(4)), pockjax.lora(4, alpha=8).scale
+        ('lora(4, alpha=4)', 2.0)
+    """
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
+        raise SchemeError(f"lora(rank): rank must be a positive int, got {rank!r}")
+    alpha = float(rank if alpha is None else alpha)
+    if not math.isfinite(alpha) or alpha <= 0:
+        raise SchemeError(f"lora(alpha=...): alpha must be a finite number > 0, got {alpha!r}")
+    if dropout != 0.0:
+        raise SchemeError(
+            f"lora(dropout={dropout!r}): adapter dropout is not supported yet; use dropout=0.0")
+    return Lora(rank=int(rank), alpha=alpha, dropout=0.0)
+
+
+Rule = Union[Full, Frozen, Channels, Lora]
 RuleLike = Union[Rule, str]
 
 
@@ -166,7 +220,7 @@ _RULE_NAMES = {"full": Full(), "frozen": Frozen()}
 
 def as_rule(rule: RuleLike) -> Rule:
     """Turn ``"full"`` / ``"frozen"`` / a rule object into a rule object."""
-    if isinstance(rule, (Full, Frozen, Channels)):
+    if isinstance(rule, (Full, Frozen, Channels, Lora)):
         return rule
     if isinstance(rule, str):
         key = rule.strip().lower()
@@ -176,13 +230,18 @@ def as_rule(rule: RuleLike) -> Rule:
         if m:
             k = float(m.group(1)) if "." in m.group(1) else int(m.group(1))
             return channels(k, axis=int(m.group(2)) if m.group(2) else -1)
-        close = difflib.get_close_matches(key, list(_RULE_NAMES) + ["channels(k, axis=-1)"], n=2)
+        m = re.fullmatch(r"lora\(\s*([0-9]+)\s*(?:,\s*alpha\s*=\s*([0-9.]+)\s*)?\)", key)
+        if m:
+            return lora(int(m.group(1)), alpha=float(m.group(2)) if m.group(2) else None)
+        close = difflib.get_close_matches(key, list(_RULE_NAMES) + ["channels(k, axis=-1)", "lora(rank)"], n=2)
         hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         raise UnknownRuleError(
-            f"unknown rule {rule!r}: use 'full', 'frozen' or pockjax.channels(k, axis=-1).{hint}"
+            f"unknown rule {rule!r}: use 'full', 'frozen', pockjax.channels(k, axis=-1) or"
+            f" pockjax.lora(rank, alpha=...).{hint}"
         )
     raise UnknownRuleError(
-        f"unknown rule {rule!r} of type {type(rule).__name__}: use 'full', 'frozen' or pockjax.channels(...)"
+        f"unknown rule {rule!r} of type {type(rule).__name__}: use 'full', 'frozen', pockjax.channels(...)"
+        " or pockjax.lora(...)"
     )
 
 
@@ -255,10 +314,24 @@ def _decode_rule(rule: Any, where: str) -> Rule:
         except SchemeError as e:
             raise type(e)(f"{where}: {e}") from None
     if not isinstance(rule, Mapping):
-        raise UnknownRuleError(f"{where}: a rule is 'full', 'frozen', 'channels(k, axis=-1)' or an object"
-                               f" {{\"channels\": k, \"axis\": a}} / {{\"indices\": [...], \"axis\": a}},"
-                               f" got {_json_kind(rule)}")
+        raise UnknownRuleError(f"{where}: a rule is 'full', 'frozen', 'channels(k, axis=-1)', 'lora(r)' or an"
+                               f" object {{\"channels\": k, \"axis\": a}} / {{\"indices\": [...], \"axis\": a}}"
+                               f" / {{\"lora\": r, \"alpha\": a}}, got {_json_kind(rule)}")
     keys = set(rule)
+    if "lora" in keys:
+        if not keys <= {"lora", "alpha", "dropout"}:
+            raise UnknownRuleError(f"{where}: cannot read rule {dict(rule)!r}: a LoRA rule has the keys"
+                                   f" 'lora' (the rank) and optionally 'alpha' and 'dropout'")
+        rank, alpha, dropout = rule["lora"], rule.get("alpha"), rule.get("dropout", 0.0)
+        if not _is_int(rank):
+            raise SchemeError(f"{where}: 'lora' (the rank) must be an integer, got {_json_kind(rank)}")
+        for name, x in (("alpha", alpha), ("dropout", dropout)):
+            if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float))):
+                raise SchemeError(f"{where}: {name!r} must be a number, got {_json_kind(x)}")
+        try:
+            return lora(int(rank), alpha=alpha, dropout=dropout)
+        except SchemeError as e:
+            raise type(e)(f"{where}: {e}") from None
     if keys not in ({"channels"}, {"channels", "axis"}, {"indices"}, {"indices", "axis"}):
         raise UnknownRuleError(f"{where}: cannot read rule {dict(rule)!r}: expected the keys 'channels'"
                                f" or 'indices', and optionally 'axis'")
@@ -375,6 +448,39 @@ class UpdateScheme:
                 return rule, pattern
         return self.default, None
 
+    @property
+    def has_lora(self) -> bool:
+        """Whether any rule (or the default) is a :func:`lora` rule."""
+        return any(isinstance(r, Lora) for _, r in self.rules) or isinstance(self.default, Lora)
+
+    def lora_part(self, path: str) -> tuple[Lora, str | None, str] | None:
+        """``(rule, pattern, part)`` when ``path`` is a part of a LoRA-ruled tensor, else None.
+
+        The parts are ``<tensor path>.base`` (frozen) and ``.lora_a``/``.lora_b``
+        (trained), as :func:`pockjax.add_adapters` lays them out.
+
+        Example:
+            >>> import pockjax
+            >>> s = pockjax.UpdateScheme({"attn.wq": pockjax.lora(4)})
+            >>> s.lora_part("attn.wq.lora_a")[2], s.lora_part("attn.wq"), s.lora_part("mlp.lora_a")
+            ('lora_a', None, None)
+        """
+        parent, _, part = path.rpartition(".")
+        if part not in LORA_PARTS or not parent:
+            return None
+        rule, pattern = self.rule_for(parent)
+        return (rule, pattern, part) if isinstance(rule, Lora) else None
+
+    def merge(self, params: Any) -> Any:
+        """``params`` with every LoRA adapter folded into its tensor (``W + alpha/r A @ B``).
+
+        See :func:`pockjax.adapters.merge`; the result has the model's own tree
+        (no adapters) and runs with the model unchanged.
+        """
+        from pockjax.adapters import merge
+
+        return merge(params)
+
     def resolve(
         self,
         paths: Sequence[str],
@@ -395,9 +501,21 @@ class UpdateScheme:
         used = set()
         out = []
         for path, shape in zip(paths, shapes):
+            part = self.lora_part(path)
+            if part is not None:
+                rule, pattern, name = part
+                if pattern is not None:
+                    used.add(pattern)
+                out.append(Frozen() if name == "base" else Full())
+                continue
             rule, pattern = self.rule_for(path)
             if pattern is not None:
                 used.add(pattern)
+            if isinstance(rule, Lora):
+                raise SchemeError(
+                    f"{path} has the rule {rule}, but holds no adapter: add the adapters with"
+                    " pockjax.add_adapters(params, scheme) and pass its result to the step and to"
+                    " pockjax.init_opt_state")
             if isinstance(rule, Channels):
                 sel = rule.resolve(path, shape)
                 out.append(Full() if sel.count == sel.size else sel)
@@ -442,7 +560,8 @@ class UpdateScheme:
         rows = []
         for path, shape, res in zip(paths, shapes, resolved):
             total = int(math.prod(shape))
-            rule, _ = self.rule_for(path)
+            part = self.lora_part(path)
+            rule = f"{part[0]} {part[2]}" if part else self.rule_for(path)[0]
             if isinstance(res, Full):
                 trainable = total
             elif isinstance(res, Frozen):
@@ -461,6 +580,8 @@ class UpdateScheme:
                 if rule.indices is not None:
                     d = {"indices": list(rule.indices), "axis": rule.axis}
                 return d
+            if isinstance(rule, Lora):
+                return {"lora": rule.rank, "alpha": rule.alpha}
             return str(rule)
 
         return {

@@ -359,8 +359,11 @@ def _aval_struct(aval):
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
 
 
-def retrace(jaxpr, rule: Callable[[C.JaxprEqn, list], list | None]):
-    """Re-trace a ``Jaxpr``/``ClosedJaxpr`` applying ``rule``; same kind back."""
+def retrace(jaxpr, rule: Callable[[C.JaxprEqn, list], list | None], finish: Callable[[list], list] | None = None):
+    """Re-trace a ``Jaxpr``/``ClosedJaxpr`` applying ``rule``; same kind back.
+
+    ``finish(outputs)`` may replace the outputs (a rule's symbolic values made concrete).
+    """
     closed = isinstance(jaxpr, C.ClosedJaxpr)
     inner = jaxpr.jaxpr if closed else jaxpr
     consts = list(jaxpr.consts) if closed else []
@@ -368,7 +371,8 @@ def retrace(jaxpr, rule: Callable[[C.JaxprEqn, list], list | None]):
         raise UnsupportedPrimitiveError("cannot rewrite an open jaxpr with constvars")
 
     def fun(*args):
-        return eval_jaxpr_with(inner, consts, args, rule)
+        outs = eval_jaxpr_with(inner, consts, args, rule)
+        return outs if finish is None else finish(outs)
 
     new = jax.make_jaxpr(fun)(*[_aval_struct(v.aval) for v in inner.invars])
     if closed:
@@ -380,7 +384,8 @@ def retrace(jaxpr, rule: Callable[[C.JaxprEqn, list], list | None]):
     return new.jaxpr
 
 
-def rewrite_nested(eqn: C.JaxprEqn, invals: list, rule, needs_rewrite: Callable[[C.JaxprEqn], bool]) -> list | None:
+def rewrite_nested(eqn: C.JaxprEqn, invals: list, rule, needs_rewrite: Callable[[C.JaxprEqn], bool],
+                   finish: Callable[[list], list] | None = None) -> list | None:
     """Rewrite the nested jaxprs of ``eqn`` with ``rule`` if any contains a match.
 
     Returns the outputs of the rebound equation, or ``None`` when nothing in
@@ -404,9 +409,9 @@ def rewrite_nested(eqn: C.JaxprEqn, invals: list, rule, needs_rewrite: Callable[
     params = dict(eqn.params)
     for pname, sub in subs:
         if isinstance(sub, (tuple, list)):
-            params[pname] = type(sub)(retrace(s, rule) for s in sub)
+            params[pname] = type(sub)(retrace(s, rule, finish) for s in sub)
         else:
-            params[pname] = retrace(sub, rule)
+            params[pname] = retrace(sub, rule, finish)
     if eqn.primitive in CUSTOM_DERIVATIVE_CALLS:
         raise UnsupportedPrimitiveError(
             f"a parameter gradient is computed inside '{name}'; pockjax needs gradients of "

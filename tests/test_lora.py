@@ -1,0 +1,184 @@
+"""LoRA as a scheme rule: the rule, the adapters in the params tree, the low_rank pass, merging."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import pockjax
+from pockjax import quant
+from pockjax.adapters import LoraTensor, merge
+from pockjax.errors import SchemeError
+from pockjax.models import llama
+from pockjax.train.steps import answer_train_step
+
+ATTN = "layers.*.attn.w[qkvo].kernel"
+
+
+# -- the rule -------------------------------------------------------------------------
+def test_rule_text_and_files_round_trip():
+    assert pockjax.scheme.as_rule("lora(8, alpha=16)") == pockjax.lora(8, alpha=16)
+    assert pockjax.scheme.as_rule("lora(4)").scale == 1.0
+    s = pockjax.UpdateScheme({ATTN: pockjax.lora(8, alpha=16), "**.*norm*.scale": "full"})
+    assert pockjax.UpdateScheme.from_dict(s.to_dict()) == s
+    assert s.to_dict()["rules"][0][1] == {"lora": 8, "alpha": 16.0}
+    assert s.has_lora and not pockjax.UpdateScheme.full().has_lora
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: pockjax.lora(0), "rank must be a positive int"),
+    (lambda: pockjax.lora(4, alpha=-1.0), "alpha must be a finite number > 0"),
+    (lambda: pockjax.lora(4, dropout=0.1), "dropout is not supported yet"),
+    (lambda: pockjax.UpdateScheme.from_dict({"rules": [["w", {"lora": "8"}]]}), "rules\\[0\\]\\[1\\]: 'lora'"),
+    (lambda: pockjax.UpdateScheme.from_dict({"rules": [["w", {"lora": 8, "beta": 1}]]}), "'lora' \\(the rank\\)"),
+])
+def test_bad_rules_are_refused(make, message):
+    with pytest.raises(SchemeError, match=message):
+        make()
+
+
+def test_adapters_paths_rules_and_optimizer_state():
+    params = {"wq": jnp.ones((8, 6)), "norm": jnp.ones(8)}
+    scheme = pockjax.UpdateScheme({"wq": pockjax.lora(2, alpha=4)}, default="full")
+    tuned = pockjax.add_adapters(params, scheme, seed=3)
+    assert pockjax.leaf_paths(tuned) == ["norm", "wq.base", "wq.lora_a", "wq.lora_b"]
+    t = tuned["wq"]
+    assert t.lora_a.shape == (8, 2) and t.lora_b.shape == (2, 6) and t.scale == 2.0
+    assert float(jnp.abs(t.lora_b).max()) == 0.0 and 0 < float(jnp.abs(t.lora_a).max()) <= 1 / np.sqrt(8)
+    np.testing.assert_array_equal(jnp.asarray(t), params["wq"])  # starts equal to the model
+    state = pockjax.init_opt_state(optax.adam(1e-3), tuned, scheme)
+    # count, then mu and nu of norm, lora_a, lora_b: nothing for the frozen base
+    assert sorted(tuple(x.shape) for x in state.leaves) == sorted([()] + [(8,), (8, 2), (2, 6)] * 2)
+    assert pockjax.add_adapters(tuned, scheme) is not tuned  # idempotent on adapted tensors
+    assert pockjax.add_adapters(tuned, scheme)["wq"] is t
+
+
+def test_guards_name_the_tensor():
+    scheme = pockjax.UpdateScheme({"w": pockjax.lora(2)})
+    with pytest.raises(SchemeError, match="w has the rule lora\\(2, alpha=2\\), but holds no adapter"):
+        scheme.resolve_tree({"w": jnp.ones((4, 4))})
+    with pytest.raises(SchemeError, match="needs a matrix"):
+        pockjax.add_adapters({"w": jnp.ones(4)}, scheme)
+    with pytest.raises(SchemeError, match="rank 2 is larger"):
+        pockjax.add_adapters({"w": jnp.ones((1, 4))}, scheme)
+
+
+# -- the step -------------------------------------------------------------------------
+def _tiny():
+    cfg = llama.LlamaConfig.tiny()
+    graphdef, params = llama.split(llama.Llama(cfg, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, cfg.vocab, (4, 8))
+    batch = {"tokens": jnp.array(tokens), "targets": jnp.array(np.roll(tokens, -1, 1)),
+             "loss_mask": jnp.ones((4, 8)).at[:, :5].set(0), "loss_start": jnp.full((4,), 5)}
+    return cfg, graphdef, params, batch
+
+
+def _masked_reference(graphdef, tx, params, scheme):
+    """jax.jit of the same step with the updates of frozen entries (and channels) set to zero."""
+    leaves = jax.tree.leaves(params)
+    masks = []
+    for x, r in zip(leaves, scheme.resolve_tree(params)):
+        m = np.zeros(np.shape(x), np.float32) if isinstance(r, pockjax.Frozen) else np.ones(np.shape(x), np.float32)
+        if isinstance(r, pockjax.scheme.ChannelSelect):
+            m = np.zeros(np.shape(x), np.float32)
+            np.moveaxis(m, r.axis, 0)[list(r.indices)] = 1.0
+        masks.append(jnp.asarray(m))
+    mask = jax.tree.unflatten(jax.tree.structure(params), masks)
+    keep = optax.stateless(lambda updates, _: jax.tree.map(lambda u, m: u * m, updates, mask))
+    rtx = optax.chain(tx, keep)
+    return jax.jit(answer_train_step(graphdef, rtx, window=2)), rtx.init(params)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_lora_step_equals_jit_and_never_forms_the_delta(mixed):
+    cfg, graphdef, params, batch = _tiny()
+    rules = {ATTN: pockjax.lora(4, alpha=8), "**.*norm*.scale": "full"}
+    if mixed:  # LoRA on attention + sparse FFN channels of the last block
+        rules[f"layers.{cfg.n_layers - 1}.mlp.w2.kernel"] = pockjax.channels(8)
+    scheme = pockjax.UpdateScheme(rules)
+    p = pockjax.add_adapters(params, scheme)
+    tx = optax.adamw(1e-2)
+    step = pockjax.compile(answer_train_step(graphdef, tx, window=2), scheme=scheme)
+    state = pockjax.init_opt_state(tx, p, scheme)
+    record = step.lower(p, state, batch).graph.record(pockjax.LowRankRecord)
+    n = 4 * cfg.n_layers
+    # every adapted product (forward and input gradient) and adapter gradient from the factors
+    assert (record.adapters, record.factored_products, record.factored_gradients, record.dense) == (n, 2 * n, n, 0)
+    ref, rstate = _masked_reference(graphdef, tx, p, scheme)
+    rp = p
+    for _ in range(6):
+        rp, rstate, rloss = ref(rp, rstate, batch)
+        p, state, loss = step(p, state, batch)
+        np.testing.assert_allclose(float(loss), float(rloss), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(rp), jax.tree.leaves(p)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    assert float(jnp.abs(p["layers"][0]["attn"]["wq"]["kernel"].lora_b).max()) > 0  # trained
+
+
+def test_merged_model_gives_the_adapted_model_logits():
+    cfg, graphdef, params, batch = _tiny()
+    scheme = pockjax.UpdateScheme({ATTN: pockjax.lora(4, alpha=8)})
+    p = pockjax.add_adapters(params, scheme)
+    tx = optax.adam(3e-2)
+    step = pockjax.compile(answer_train_step(graphdef, tx, window=2), scheme=scheme)
+    state = pockjax.init_opt_state(tx, p, scheme)
+    for _ in range(3):
+        p, state, _ = step(p, state, batch)
+    merged = scheme.merge(p)
+    assert pockjax.leaf_paths(merged) == pockjax.leaf_paths(params)
+    logits = lambda q: nnx.merge(graphdef, q)(batch["tokens"])  # noqa: E731
+    np.testing.assert_allclose(np.asarray(logits(merged)), np.asarray(logits(p)), atol=1e-4)
+    assert not np.allclose(np.asarray(logits(merged)), np.asarray(logits(params)), atol=1e-3)
+
+
+def test_a_non_product_reader_gets_the_dense_value_once():
+    scheme = pockjax.UpdateScheme({"w": pockjax.lora(2)})
+    p = pockjax.add_adapters({"w": jnp.linspace(-1, 1, 32).reshape(8, 4)}, scheme)
+    p["w"].lora_b = jnp.full((2, 4), 0.1)
+    tx = optax.sgd(0.1)
+
+    def step(p, s, x):
+        loss = lambda p: jnp.sum(jnp.tanh(x @ p["w"])) + jnp.sum(jnp.asarray(p["w"]) ** 2)  # noqa: E731
+        g = jax.grad(loss)(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, None
+
+    x = jnp.ones((3, 8))
+    compiled = pockjax.compile(step, scheme=scheme)
+    state = pockjax.init_opt_state(tx, p, scheme)
+    record = compiled.lower(p, state, x).graph.record(pockjax.LowRankRecord)
+    assert record.dense >= 1 and record.factored_products >= 1
+
+    def masked(p, x):
+        g = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"])) + jnp.sum(jnp.asarray(p["w"]) ** 2))(p)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+    ref = jax.jit(masked)(p, x)
+    base = np.asarray(p["w"].base)
+    out, _, _ = compiled(p, state, x)
+    np.testing.assert_allclose(np.asarray(out["w"].lora_a), np.asarray(ref["w"].lora_a), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out["w"].lora_b), np.asarray(ref["w"].lora_b), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out["w"].base), base)  # frozen
+
+
+def test_quantized_base_trains_its_adapter():
+    cfg, graphdef, params, batch = _tiny()
+    scheme = pockjax.UpdateScheme({ATTN: pockjax.lora(4)})
+    p = pockjax.add_adapters(params, scheme)
+    p = jax.tree.map(lambda t: LoraTensor(quant.quantize(t.base, "q8_0"), t.lora_a, t.lora_b, scale=t.scale)
+                     if isinstance(t, LoraTensor) else t, p, is_leaf=lambda t: isinstance(t, LoraTensor))
+    tx = optax.adam(3e-2)
+    step = pockjax.compile(answer_train_step(graphdef, tx, window=2), scheme=scheme)
+    state = pockjax.init_opt_state(tx, p, scheme)
+    losses = []
+    for _ in range(4):
+        p, state, loss = step(p, state, batch)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    kernel = p["layers"][0]["attn"]["wq"]["kernel"]
+    assert quant.is_qtensor(kernel.base)
+    merged = merge(p)["layers"][0]["attn"]["wq"]["kernel"]
+    assert merged.dtype == jnp.float32 and not quant.is_qtensor(merged)
