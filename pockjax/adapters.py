@@ -35,7 +35,7 @@ from pockjax.errors import SchemeError
 from pockjax.paths import keypath_to_parts
 from pockjax.scheme import Lora, UpdateScheme
 
-__all__ = ["LoraTensor", "add_adapters", "has_adapters", "lora_p", "merge"]
+__all__ = ["LoraTensor", "add_adapters", "expand_flat", "has_adapters", "lora_p", "merge"]
 
 
 # -- primitives ---------------------------------------------------------------------
@@ -199,6 +199,24 @@ def _map_with_paths(fn, tree):
 def has_adapters(tree) -> bool:
     """Whether ``tree`` holds any :class:`LoraTensor`."""
     return any(is_lora(x) for x in jax.tree.leaves(tree, is_leaf=is_lora))
+
+
+def expand_flat(flat: dict) -> dict:
+    """A ``{path: leaf}`` map with each :class:`LoraTensor` as its three parts.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> t = LoraTensor(jnp.zeros((2, 2)), jnp.ones((2, 1)), jnp.ones((1, 2)), scale=1.0)
+        >>> list(expand_flat({"w": t, "b": 1}))
+        ['w.base', 'w.lora_a', 'w.lora_b', 'b']
+    """
+    out = {}
+    for path, x in flat.items():
+        if is_lora(x):
+            out.update({f"{path}.base": x.base, f"{path}.lora_a": x.lora_a, f"{path}.lora_b": x.lora_b})
+        else:
+            out[path] = x
+    return out
 
 
 def add_adapters(params: Any, scheme: UpdateScheme, *, seed: int = 0) -> Any:

@@ -487,6 +487,7 @@ class UpdateScheme:
         shapes: Sequence[Sequence[int]],
         *,
         non_gradient: Sequence[str] = (),
+        lora_bases: bool = False,
     ) -> list[Union[Full, Frozen, ChannelSelect]]:
         """Resolve the rule of every leaf; raises on patterns matching nothing.
 
@@ -495,6 +496,9 @@ class UpdateScheme:
           non_gradient: paths of state the step updates without a gradient
             (BatchNorm statistics, counters); a pattern that names only those
             is an error, since a scheme cannot freeze or train them.
+          lora_bases: the tensors are the model's own, before
+            :func:`pockjax.add_adapters`: a LoRA-ruled one resolves to
+            ``Frozen()`` (its base) instead of raising.
 
         Returns, per path, ``Full()``, ``Frozen()`` or a :class:`ChannelSelect`.
         """
@@ -511,6 +515,9 @@ class UpdateScheme:
             rule, pattern = self.rule_for(path)
             if pattern is not None:
                 used.add(pattern)
+            if isinstance(rule, Lora) and lora_bases:
+                out.append(Frozen())
+                continue
             if isinstance(rule, Lora):
                 raise SchemeError(
                     f"{path} has the rule {rule}, but holds no adapter: add the adapters with"

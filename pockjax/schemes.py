@@ -20,6 +20,8 @@ of an unrolled :class:`pockjax.models.llama.Llama`, ``layers.27.attn.wq.kernel``
 * ``norm-only``: the RMSNorm scales.
 * ``channels``: ``paper`` with :func:`pockjax.channels` (half the output
   channels by default) on the same tensors.
+* ``lora``: :func:`pockjax.lora` adapters of rank 8 (alpha 16) on the
+  attention projections of every block (PEFT's usual targets).
 
 Other families (vision, encoders) add their schemes with
 :func:`register_family` and :func:`register_scheme`; ``full`` and
@@ -28,7 +30,7 @@ Other families (vision, encoders) add their schemes with
 Example:
   >>> from pockjax.models.llama import LlamaConfig
   >>> scheme_names()
-  ('full', 'paper', 'norm-only', 'channels')
+  ('full', 'paper', 'norm-only', 'channels', 'lora')
   >>> paper_blocks(30), paper_blocks(32), paper_blocks(2)
   (10, 11, 2)
   >>> s = get_scheme("paper", LlamaConfig.smollm2_135m())
@@ -47,7 +49,7 @@ from typing import Any
 from pockjax.errors import SchemeError, SchemeFileError
 from pockjax.io.atomic import write_json
 from pockjax.io.jsonfile import read_json
-from pockjax.scheme import UpdateScheme, channels
+from pockjax.scheme import UpdateScheme, channels, lora
 
 __all__ = [
     "DEFAULT_BLOCKS",
@@ -332,3 +334,13 @@ def _llama_channels(config: Any, *, blocks: int | None = None, fraction: float =
     return UpdateScheme([(f"layers.{i}.{t}.kernel", rule)
                          for i in range(config.n_layers - n, config.n_layers) for t in PAPER_TENSORS],
                         name=f"channels (last {_plural(n)})")
+
+
+#: The ``lora`` scheme's rank and alpha (PEFT's usual rank 8, alpha twice the rank).
+LORA_RANK, LORA_ALPHA = 8, 16
+
+
+@register_scheme("lora", "llama", "LoRA adapters, rank 8 (alpha 16), on attention wq/wk/wv/wo of every block")
+def _llama_lora(config: Any, *, blocks: int | None = None, fraction: float = 0.5) -> UpdateScheme:
+    return UpdateScheme({"layers.*.attn.w[qkvo].kernel": lora(LORA_RANK, alpha=LORA_ALPHA)},
+                        name=f"lora (rank {LORA_RANK}, attention of every block)")

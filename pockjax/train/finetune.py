@@ -55,6 +55,7 @@ from pockjax.data import Batcher, DataError, evaluate_model, load_alpaca_jsonl, 
 from pockjax.io.atomic import atomic_directory, pid_alive, remove_stale_temporaries, write_json
 from pockjax.io.jsonfile import read_json_object
 from pockjax import quant
+from pockjax.adapters import add_adapters, expand_flat, has_adapters, merge as merge_adapters
 from pockjax.models import llama
 from pockjax.models.llama.mixed import LlamaWeights
 from pockjax.runtime.heap import process_rss_bytes, release_free_heap
@@ -323,7 +324,9 @@ def _compute_precision(dtype: str) -> str | None:
 
 
 def _model_of(model, graphdef, params):
-    """The model to evaluate and save: ``params`` in the form ``model`` came in."""
+    """The model to evaluate and save: ``params`` (LoRA adapters merged) in the form ``model`` came in."""
+    if has_adapters(params):
+        params = merge_adapters(params)
     if isinstance(model, LlamaWeights):
         return model.replace(params)
     return llama.merge(graphdef, params)
@@ -337,7 +340,7 @@ def _load_mixed(cfg: FinetuneConfig, source: str, held: dict | None = None):
         scheme = (load_scheme_file(os.path.join(source, "scheme.json")) if cfg.resume
                   else llama_scheme(cfg.scheme, config, blocks=cfg.blocks))
         flat = llama.flatten_params(abstract_model(config)[1])
-        rules = scheme.resolve(list(flat), [tuple(x.shape) for x in flat.values()])
+        rules = scheme.resolve(list(flat), [tuple(x.shape) for x in flat.values()], lora_bases=True)
         frozen = {p for p, r in zip(flat, rules) if isinstance(r, Frozen)}
         return frozen.__contains__
 
@@ -598,12 +601,19 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     else:
         scheme = llama_scheme(cfg.scheme, model.config, blocks=cfg.blocks)
     graphdef, params = (model.graphdef, model.params) if isinstance(model, LlamaWeights) else llama.split(model)
+    if scheme.has_lora:
+        if cfg.resume:
+            raise FinetuneError(f"cannot resume {out}: it trains LoRA adapters ({scheme.name}), whose"
+                                " resume is not supported yet (the run saves the merged model); start a"
+                                " new run")
+        params = add_adapters(params, scheme, seed=cfg.seed)
     description = scheme.describe(quant.abstract(params))  # raises UnmatchedPatternError on a mismatch
     if description.trainable == 0:
         raise SchemeError(f"the scheme {scheme.name or cfg.scheme} freezes every parameter of the"
                           f" model: fine-tuning would train nothing; give some parameters a 'full'"
                           f" or channels(...) rule")
-    flat_params = llama.flatten_params(params)  # QTensor values stay whole (frozen, never read)
+    # QTensor values stay whole (frozen, never read); a LoRA tensor is its base and adapters
+    flat_params = expand_flat(llama.flatten_params(params))
     bad = first_non_finite(weights=params)
     if bad:
         raise NonFiniteError(f"the model {out if cfg.resume else cfg.model} holds non-finite"
@@ -720,7 +730,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
                 is not None else "nothing was saved")
         hint = (f"start a new run with a lower --lr (this one: {cfg.lr or DEFAULT_LR[cfg.optimizer]:g})"
                 f"{' or check the data' if cfg.data else ''}")
-        flat_new = llama.flatten_params(new_params)
+        flat_new = expand_flat(llama.flatten_params(new_params))
         bad = first_non_finite(params={p: flat_new[p] for p in trained_paths},
                                opt_state=new_opt_state.leaves)
         if bad or not math.isfinite(loss):
@@ -737,7 +747,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     def save(step):
         # Nothing non-finite is ever written (channel-ruled tensors are not in
         # the step's health scalar: they are checked here).
-        flat_now = llama.flatten_params(params)
+        flat_now = expand_flat(llama.flatten_params(params))
         bad = first_non_finite(params={p: flat_now[p] for p in trained_paths},
                                opt_state=opt_state.leaves)
         if bad:
