@@ -20,6 +20,10 @@ pockjax-paper             pockjax    the ``paper`` sparse scheme
 pockjax-norm-only         pockjax    RMSNorm scales only
 pockjax-channels          pockjax    ``paper`` tensors, half their output channels
 pockjax-paper-iree        pockjax    ``paper``, compiled by IREE for ``cpu``
+pockjax-lora              pockjax    :func:`pockjax.lora` rank 8 (alpha 16) on q/k/v/o,
+                                     as ``torch-lora``
+pockjax-paper-lora        pockjax    ``paper`` on its last blocks + LoRA on the
+                                     attention of the other blocks
 ========================  =========  ==================================================
 
 Every row: fp32, the same batches, next-token cross-entropy over the answer
@@ -79,6 +83,8 @@ ROWS = {r.name: r for r in [
     Row("pockjax-norm-only", "pockjax", "norm-only", "pockjax, RMSNorm scales only"),
     Row("pockjax-channels", "pockjax", "channels", "pockjax, paper tensors, half the channels"),
     Row("pockjax-paper-iree", "pockjax", "paper", "pockjax, paper scheme, IREE cpu", target="cpu"),
+    Row("pockjax-lora", "pockjax", "lora", "pockjax, LoRA rank 8 on q/k/v/o (as torch-lora)"),
+    Row("pockjax-paper-lora", "pockjax", "paper-lora", "pockjax, paper scheme + LoRA on the other blocks"),
 ]}
 
 #: Rows of a default speed run.
@@ -296,8 +302,15 @@ def _jax_model(job: dict, cfg: BenchConfig):
 
 
 def _scheme(name: str, config, cfg: BenchConfig):
+    import pockjax
     from pockjax.train.schemes import llama_scheme
 
+    adapters = ("layers.*.attn.w[qkvo].kernel", pockjax.lora(cfg.lora_rank, alpha=2 * cfg.lora_rank))
+    if name == "lora":  # the torch-lora row's rank and targets
+        return pockjax.UpdateScheme([adapters], name=f"lora (rank {cfg.lora_rank})")
+    if name == "paper-lora":  # the paper scheme's rules match first, LoRA takes the other blocks' attention
+        paper = llama_scheme("paper", config, blocks=cfg.blocks)
+        return pockjax.UpdateScheme(list(paper.rules) + [adapters], name=f"{paper.name} + lora")
     return llama_scheme(name, config, blocks=cfg.blocks)
 
 
@@ -421,6 +434,8 @@ def pockjax_row(job: dict) -> dict:
     scheme = _scheme(job["kind"], model.config, cfg)
     graphdef, params = llama.split(model)
     del model
+    if scheme.has_lora:
+        params = pockjax.add_adapters(params, scheme, seed=cfg.seed)
     tx = optax.adamw(row_lr(job["kind"], cfg), b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
     window = int(job["window"])
 
@@ -451,7 +466,7 @@ def pockjax_row(job: dict) -> dict:
         return loss
 
     trainable_n = scheme.describe(holder["p"]).trainable
-    out = _jax_loop(job, cfg, run, t0, trainable_n, lambda: holder["p"], graphdef, compile_s,
+    out = _jax_loop(job, cfg, run, t0, trainable_n, lambda: pockjax.adapters.merge(holder["p"]), graphdef, compile_s,
                     step_flops=lambda: flops)
     out["xla_options"] = dict(xla_options or {})
     return out

@@ -49,6 +49,7 @@ GOALS = (
     ("pockjax-paper", "torch-full", "speed", 3.0),
     ("pockjax-full", "torch-full", "speed", 1.3),
     ("pockjax-paper", "torch-lora", "memory", 1.0),
+    ("pockjax-lora", "torch-lora", "speed", 1.5),
     ("pockjax-paper", "pockjax-full", "accuracy", 2.0),
 )
 
