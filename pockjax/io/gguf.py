@@ -35,7 +35,7 @@ import numpy as np
 
 from pockjax.errors import FileMissingError, GGUFError
 
-__all__ = ["GGML_TYPES", "GGUFFile", "GGUFTensor", "open_gguf"]
+__all__ = ["GGML_TYPES", "GGUFFile", "GGUFTensor", "Typed", "open_gguf", "write_gguf"]
 
 #: ggml tensor type id -> (name, values per block, bytes per block).
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -276,3 +276,105 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         tensors.append(GGUFTensor(name, shape, type_name, start, n_bytes))
         expected += -(-n_bytes // alignment) * alignment
     return GGUFFile(path, buf, version, metadata, tensors, alignment)
+
+
+# -- writing ---------------------------------------------------------------------------
+_TYPE_IDS = {name: tid for tid, (name, _, _) in GGML_TYPES.items()}
+_CODES = {"u8": 0, "i8": 1, "u16": 2, "i16": 3, "u32": 4, "i32": 5, "f32": 6, "bool": 7,
+          "u64": 10, "i64": 11, "f64": 12}
+
+
+@dataclasses.dataclass(frozen=True)
+class Typed:
+    """A metadata value with its GGUF type (``"u32"``, ``"i32"``, ``"f32"``, ...).
+
+    Untyped values are written as: ``str`` a string, ``bool`` a bool, ``int``
+    ``u32`` (``i64`` if negative or too large), ``float`` ``f32``, a list of
+    those an array of them.
+    """
+
+    kind: str
+    value: Any
+
+
+def _value_bytes(value: Any, key: str) -> tuple[int, bytes]:
+    """(GGUF type id, encoded value) of one metadata value."""
+    if isinstance(value, Typed):
+        if isinstance(value.value, (list, tuple)):
+            code = _CODES[value.kind]
+            items = b"".join(struct.pack(_SCALARS[code][0], v) for v in value.value)
+            return _ARRAY, struct.pack("<IQ", code, len(value.value)) + items
+        code = _CODES[value.kind]
+        return code, struct.pack(_SCALARS[code][0], value.value)
+    if isinstance(value, str):
+        raw = value.encode("utf-8")
+        return _STRING, struct.pack("<Q", len(raw)) + raw
+    if isinstance(value, (bool, np.bool_)):
+        return _BOOL, struct.pack("<?", bool(value))
+    if isinstance(value, (int, np.integer)):
+        v = int(value)
+        return (4, struct.pack("<I", v)) if 0 <= v < 2 ** 32 else (11, struct.pack("<q", v))
+    if isinstance(value, (float, np.floating)):
+        return 6, struct.pack("<f", float(value))
+    if isinstance(value, (list, tuple)):
+        if all(isinstance(v, str) for v in value):
+            items = [_value_bytes(v, key)[1] for v in value]
+            return _ARRAY, struct.pack("<IQ", _STRING, len(value)) + b"".join(items)
+        if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
+            return _value_bytes(Typed("i32", [int(v) for v in value]), key)
+        if all(isinstance(v, (float, np.floating)) for v in value):
+            return _value_bytes(Typed("f32", [float(v) for v in value]), key)
+    raise GGUFError(f"metadata {key!r}: cannot write a value of type {type(value).__name__} to GGUF")
+
+
+def write_gguf(path: str | os.PathLike, metadata: dict[str, Any],
+               tensors: list[tuple[str, str, tuple[int, ...], np.ndarray]], *, alignment: int = 32) -> None:
+    """Writes a GGUF (version 3) file atomically: a temporary sibling, fsync'd, renamed.
+
+    Args:
+      path: the ``.gguf`` file.
+      metadata: ``{key: value}`` in order (``general.architecture`` first,
+        as llama.cpp expects); values as :class:`Typed` describes.
+      tensors: ``(name, type name, numpy shape, data)``: the data is the
+        tensor's values (``F32``/``F16``) or its block bytes (``Q8_0``...),
+        in the numpy shape's row-major order; GGUF stores the dimensions
+        reversed.
+      alignment: the data alignment (``general.alignment``).
+
+    Example:
+        >>> import tempfile
+        >>> p = os.path.join(tempfile.mkdtemp(), "t.gguf")
+        >>> x = np.arange(6, dtype=np.float32).reshape(2, 3)
+        >>> write_gguf(p, {"general.architecture": "llama", "n": Typed("i32", [1, -2])}, [("x", "F32", (2, 3), x)])
+        >>> f = open_gguf(p)
+        >>> f.metadata["n"], f.tensors[0].shape, f.tensor_bytes(f.tensors[0]).view(np.float32).tolist()
+        ([1, -2], (2, 3), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+    """
+    from pockjax.io.atomic import atomic_open
+
+    header = [b"GGUF", struct.pack("<IQQ", 3, len(tensors), len(metadata))]
+    for key, value in metadata.items():
+        raw = key.encode("utf-8")
+        code, body = _value_bytes(value, key)
+        header.append(struct.pack("<Q", len(raw)) + raw + struct.pack("<I", code) + body)
+    offset, blobs = 0, []
+    for name, type_name, shape, data in tensors:
+        if type_name not in _TYPE_IDS:
+            raise GGUFError(f"tensor {name!r}: unknown GGML type {type_name!r}")
+        _, per_block, block_bytes = GGML_TYPES[_TYPE_IDS[type_name]]
+        count = int(np.prod(shape))
+        blob = np.ascontiguousarray(data).tobytes()
+        if shape and shape[-1] % per_block or len(blob) != count // per_block * block_bytes:
+            raise GGUFError(f"tensor {name!r}: {len(blob)} bytes do not hold a {type_name} tensor of"
+                            f" shape {tuple(shape)}")
+        raw = name.encode("utf-8")
+        dims = tuple(int(d) for d in shape[::-1]) or (1,)
+        header.append(struct.pack("<Q", len(raw)) + raw + struct.pack("<I", len(dims))
+                      + struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", _TYPE_IDS[type_name], offset))
+        blobs.append(blob)
+        offset += len(blob) + (-len(blob)) % alignment
+    head = b"".join(header)
+    with atomic_open(path, "wb") as f:
+        f.write(head + b"\0" * ((-len(head)) % alignment))
+        for blob in blobs:
+            f.write(blob + b"\0" * ((-len(blob)) % alignment))

@@ -26,6 +26,7 @@ from pockjax._cli_args import positive_finite_float, positive_int
 
 
 def register(subparsers) -> None:
+    _register_export_model(subparsers)
     from pockjax.backends.iree.targets import names as target_names
     from pockjax.models.llama.mixed import DTYPES, QUANTIZE
 
@@ -130,4 +131,48 @@ def _export_mobilenetv2(args) -> int:
     t0 = time.perf_counter()
     path = step.export(args.out, model, optimizer, images, labels)
     print(f"exported a {args.scheme} MobileNetV2 step for {args.target} to {path} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+_EXPORT_MODEL_DOC = """Write a (fine-tuned) LLaMA for llama.cpp (GGUF) or Hugging Face transformers (safetensors).
+
+Example::
+
+    pockjax finetune --scheme lora --lr 1e-3 --out runs/lora
+    pockjax export-model --model runs/lora --format gguf --quant q8_0 --out runs/lora.q8_0.gguf
+    pockjax export-model --model runs/lora --format safetensors --quant f16 --out runs/lora-hf
+
+GGUF: llama.cpp's tensor names and metadata, the byte-level BPE tokenizer and
+its chat template; matrices in f32, f16, q8_0 or q4_0 (norms f32). safetensors:
+a Hugging Face LLaMA directory (config.json, model.safetensors, tokenizer.json)
+in f32 or f16.
+"""
+
+
+def _register_export_model(subparsers) -> None:
+    from pockjax.models.llama.export import EXPORT_FORMATS, GGUF_QUANTS
+
+    p = subparsers.add_parser(
+        "export-model", help="write a fine-tuned LLaMA as GGUF (llama.cpp) or a Hugging Face directory",
+        description=_EXPORT_MODEL_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True,
+                   help="a pockjax finetune output directory, a Hugging Face LLaMA directory, a .gguf file"
+                        " or a model name (smollm2-135m)")
+    p.add_argument("--format", choices=EXPORT_FORMATS, default="gguf")
+    p.add_argument("--quant", choices=tuple(GGUF_QUANTS), default="f16",
+                   help="matrix type: GGUF any; safetensors f32 or f16 (default f16)")
+    p.add_argument("--out", required=True, help="the .gguf file, or the directory for safetensors")
+    p.set_defaults(func=_run_export_model)
+
+
+def _run_export_model(args) -> int:
+    import os
+
+    from pockjax.models.llama.export import export_model
+
+    t = time.time()
+    out = export_model(args.model, args.out, format=args.format, quant=args.quant)
+    size = (os.path.getsize(out) if os.path.isfile(out)
+            else sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)))
+    print(f"wrote {out} ({args.format}, {args.quant}, {size / 1e6:.1f} MB) in {time.time() - t:.1f} s")
     return 0

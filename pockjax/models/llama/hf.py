@@ -204,11 +204,13 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: Any = None,
     return build_model(cfg, flat, dtype=dtype, param_dtype=param_dtype)
 
 
-def save_hf_checkpoint(model: Any, path: str | os.PathLike) -> None:
+def save_hf_checkpoint(model: Any, path: str | os.PathLike, *, dtype: Any = np.float32) -> None:
     """Writes a :class:`Llama` as a Hugging Face LLaMA directory.
 
     The result (``config.json`` + ``model.safetensors``) loads with
     :func:`load_hf_checkpoint` and with ``transformers.LlamaForCausalLM``.
+    ``dtype`` (float32, or float16 for a file half the size) is the tensors'
+    dtype in the file and ``config.json``'s ``torch_dtype``.
 
     Example:
       >>> import tempfile
@@ -260,6 +262,13 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike) -> None:
             _, idx, rest = k.split(".", 2)
             leaf, transpose = inverse[rest]
             tensors[f"model.layers.{idx}.{leaf}"] = transposed(v) if transpose else whole(v)
+    dtype = np.dtype(dtype)
+    if dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
+        raise ValueError(f"save_hf_checkpoint writes float32 or float16 tensors, not {dtype}")
+    if dtype != np.float32:
+        tensors = {k: LazyTensor(v.shape, dtype, lambda v=v: np.asarray(v.fn() if isinstance(v, LazyTensor) else v,
+                                                                        np.float32).astype(dtype))
+                   for k, v in tensors.items()}
     write_safetensors(os.path.join(path, "model.safetensors"), tensors,
                       metadata={"format": "pt"})
     config_json = {
@@ -270,6 +279,6 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike) -> None:
         "rms_norm_eps": cfg.rms_eps, "tie_word_embeddings": cfg.tie_embeddings,
         "max_position_embeddings": cfg.max_seq_len, "head_dim": cfg.head_dim_,
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "torch_dtype": "float32",
+        "torch_dtype": "float16" if dtype == np.float16 else "float32",
     }
     write_json(os.path.join(path, "config.json"), config_json, indent=2)
