@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup system-deps bench-tf finetune quickstart test test-fast clean
+.PHONY: setup system-deps bench-tf finetune quickstart test test-fast test-llamacpp clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,12 +49,19 @@ quickstart: setup
 
 # Two workers, one test file each at a time (module fixtures are built once).
 test: setup system-deps
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not llamacpp"
 
 # The quick check while working (under 3 minutes): everything not marked slow
 # (tests/slow_tests.txt lists the measured slow ones).
 test-fast: setup
-	$(PY) -m pytest -q -x -n 2 --dist loadfile -m "not slow"
+	$(PY) -m pytest -q -x -n 2 --dist loadfile -m "not slow and not llamacpp"
+
+# The exported GGUF in llama.cpp: builds llama-cpp-python from source (several
+# minutes on 2 cores, once), then runs the tests marked llamacpp.
+LLAMA_CPP_PYTHON := llama-cpp-python==0.3.16
+test-llamacpp: setup
+	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_BUILD_PARALLEL_LEVEL=2 $(PIP) install -q $(LLAMA_CPP_PYTHON) diskcache
+	$(PY) -m pytest -q -m llamacpp tests/test_llamacpp.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

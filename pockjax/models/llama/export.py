@@ -49,8 +49,12 @@ def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, hd // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tokenizer_metadata(tokenizer: Any) -> dict[str, Any]:
+def gguf_tokenizer_metadata(tokenizer: Any, vocab: int | None = None) -> dict[str, Any]:
     """The ``tokenizer.ggml.*`` metadata of a byte-level BPE :class:`~pockjax.models.llama.Tokenizer`.
+
+    With ``vocab`` (the model's embedding rows), a shorter vocabulary is padded
+    with unused ``[PAD<i>]`` tokens, as llama.cpp's converter does, since
+    llama.cpp requires one token per row.
 
     Raises:
       ExportError: a tokenizer llama.cpp's ``gpt2`` model cannot describe
@@ -62,7 +66,7 @@ def gguf_tokenizer_metadata(tokenizer: Any) -> dict[str, Any]:
       >>> meta["tokenizer.ggml.model"], meta["tokenizer.ggml.pre"], len(meta["tokenizer.ggml.tokens"])
       ('gpt2', 'gpt-2', 259)
     """
-    from pockjax.models.llama.tokenizer import _CONTROL, _NORMAL, _USER_DEFINED, _pre_tokenizer
+    from pockjax.models.llama.tokenizer import _CONTROL, _NORMAL, _UNUSED, _USER_DEFINED, _pre_tokenizer
 
     spec = json.loads(tokenizer.backend.to_str())
     model = spec.get("model") or {}
@@ -81,6 +85,12 @@ def gguf_tokenizer_metadata(tokenizer: Any) -> dict[str, Any]:
     types = [_NORMAL] * n
     for added in spec.get("added_tokens", []):
         types[added["id"]] = _CONTROL if added.get("special") else _USER_DEFINED
+    if vocab is not None and vocab < n:
+        raise ExportError(f"the tokenizer has {n} tokens but the model's embedding only {vocab} rows:"
+                          " llama.cpp needs a row for every token")
+    if vocab is not None and vocab > n:
+        tokens += [f"[PAD{i}]" for i in range(n, vocab)]
+        types += [_UNUSED] * (vocab - n)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     meta: dict[str, Any] = {
         "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
@@ -176,7 +186,7 @@ def save_gguf(model: Any, tokenizer: Any, path: str | os.PathLike, *, quant: str
     if cfg.head_dim_ != cfg.dim // cfg.n_heads:
         meta["llama.attention.key_length"] = Typed("u32", cfg.head_dim_)
         meta["llama.attention.value_length"] = Typed("u32", cfg.head_dim_)
-    meta.update(gguf_tokenizer_metadata(tokenizer))
+    meta.update(gguf_tokenizer_metadata(tokenizer, cfg.vocab))
     flat = _float_params(model)
     vector = lambda n, w: (n, "F32", w.shape, np.ascontiguousarray(w, np.float32))  # noqa: E731
     tensors = [_matrix("token_embd.weight", flat["embed.embedding"], qtype),

@@ -1,0 +1,55 @@
+"""The exported GGUF in llama.cpp itself (``make test-llamacpp`` builds llama-cpp-python; CI's
+``make test`` leaves this marker out to stay under 30 minutes). Without llama-cpp-python it fails."""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pockjax.models import llama
+from pockjax.models.llama.export import save_gguf
+
+pytestmark = pytest.mark.llamacpp
+IDS = [1, 5, 9, 22, 7, 3, 64, 2, 100, 31]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    # one embedding row per token of the test tokenizer (llama.cpp needs a row for each)
+    model = llama.Llama(llama.LlamaConfig.tiny(vocab=272), rngs=nnx.Rngs(0))
+    return model, llama.Tokenizer.byte_level_for_tests(), tmp_path_factory.mktemp("llamacpp")
+
+
+@pytest.mark.parametrize("q, tol", [("f32", 1e-3), ("f16", 1e-3), ("q8_0", 2e-2), ("q4_0", 5e-2)])
+def test_llama_cpp_computes_the_logits_pockjax_reads(tiny, q, tol):
+    import llama_cpp
+
+    model, tok, d = tiny
+    path = os.path.join(d, f"m.{q}.gguf")
+    save_gguf(model, tok, path, quant=q)
+    llm = llama_cpp.Llama(model_path=path, n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    llm.eval(IDS)
+    theirs = np.array(llm.scores[:len(IDS)])
+    ours = np.asarray(llama.load_gguf(path)(jnp.array([IDS])))[0]
+    scale = np.abs(ours).max()
+    # llama.cpp multiplies Q8_0/Q4_0 weights with activations it quantizes to 8 bits itself
+    assert np.abs(theirs - ours).max() <= tol * scale, (q, np.abs(theirs - ours).max(), scale)
+    # and its greedy choice at each position is pockjax's wherever pockjax's is clear
+    clear = np.sort(ours, -1)[:, -1] - np.sort(ours, -1)[:, -2] > 4 * tol * scale
+    assert (theirs.argmax(-1)[clear] == ours.argmax(-1)[clear]).all()
+
+
+def test_llama_cpp_reads_the_tokenizer_and_chat_template(tiny):
+    import llama_cpp
+
+    model, tok, d = tiny
+    tok.chat_template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    path = os.path.join(d, "tok.gguf")
+    save_gguf(model, tok, path, quant="f32")
+    llm = llama_cpp.Llama(model_path=path, n_ctx=64, verbose=False, n_threads=2)
+    text = "Hello wörld 123!"
+    assert llm.tokenize(text.encode(), add_bos=False, special=False) == tok.encode(text, add_bos=False)
+    assert llm.metadata["tokenizer.chat_template"] == tok.chat_template
+    assert llm.token_eos() == tok.eos_id
