@@ -23,7 +23,7 @@ TOKENS = jnp.array([[1, 5, 9, 22, 7, 3, 64, 2]])
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = llama.LlamaConfig.tiny()
+    cfg = llama.LlamaConfig.tiny(vocab=272)  # rows for the test tokenizer's 259 tokens, padded in GGUF
     return llama.Llama(cfg, rngs=nnx.Rngs(0)), llama.Tokenizer.byte_level_for_tests()
 
 
@@ -129,6 +129,13 @@ def test_mixed_lora_and_channels_scheme_trains_merges_and_exports(tiny, tmp_path
     save_gguf(merged, tok, path, quant="f32")
     np.testing.assert_allclose(np.asarray(llama.load_gguf(path)(TOKENS)), adapted, atol=1e-4)
     assert not np.allclose(adapted, np.asarray(model(TOKENS)), atol=1e-3)  # it did train
+
+
+def test_a_tokenizer_longer_than_the_embedding_is_refused(tmp_path):
+    model = llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0))  # 128 rows, 259 tokens
+    with pytest.raises(ExportError, match="259 tokens but the model's embedding only 128 rows"):
+        save_gguf(model, llama.Tokenizer.byte_level_for_tests(), str(tmp_path / "m.gguf"))
+    assert not os.path.exists(tmp_path / "m.gguf")
 
 
 def test_export_model_cli_refuses_what_a_format_cannot_hold(tmp_path, capsys):
