@@ -6,6 +6,10 @@ import dataclasses
 from typing import Any
 
 
+#: The architectures :class:`LlamaConfig` describes.
+ARCHS = ("llama", "qwen2")
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """Shape and numerics of a LLaMA-architecture decoder.
@@ -28,6 +32,10 @@ class LlamaConfig:
             leading layer axis and run with ``jax.lax.scan``; otherwise they are a
             list ``layers.0``, ``layers.1``, ...
         head_dim: Width of one attention head; ``None`` means ``dim // n_heads``.
+        qkv_bias: Whether the Q, K and V projections have biases (Qwen2).
+        arch: The architecture the weights come from and export to:
+          ``llama`` or ``qwen2`` (LLaMA with Q/K/V biases; no row permutation
+          of Q and K in GGUF).
         attn_block_rows: Causal self-attention over ``t`` tokens runs in query
             blocks of at least this many rows, each attending only to the keys
             up to its end, which skips the masked part of the attention
@@ -55,8 +63,12 @@ class LlamaConfig:
     scan_layers: bool = False
     head_dim: int | None = None
     attn_block_rows: int | None = 64
+    qkv_bias: bool = False
+    arch: str = "llama"
 
     def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch={self.arch!r}: pockjax builds {', '.join(ARCHS)} models")
         if self.attn_block_rows is not None and self.attn_block_rows < 1:
             raise ValueError(f"attn_block_rows={self.attn_block_rows} must be at least 1"
                              f" (or None to attend in one piece)")
@@ -121,6 +133,7 @@ class LlamaConfig:
         """
         hd = self.head_dim_
         attn = self.dim * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
+        attn += hd * (self.n_heads + 2 * self.n_kv_heads) if self.qkv_bias else 0
         mlp = 3 * self.dim * self.hidden_dim
         per_layer = attn + mlp + 2 * self.dim
         head = 0 if self.tie_embeddings else self.vocab * self.dim

@@ -158,7 +158,7 @@ def save_gguf(model: Any, tokenizer: Any, path: str | os.PathLike, *, quant: str
       >>> import tempfile
       >>> from flax import nnx
       >>> from pockjax.models.llama import Llama, LlamaConfig, Tokenizer, load_gguf
-      >>> m = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+      >>> m = Llama(LlamaConfig.tiny(vocab=272), rngs=nnx.Rngs(0))  # a row per token (259 + padding)
       >>> p = os.path.join(tempfile.mkdtemp(), "m.gguf")
       >>> save_gguf(m, Tokenizer.byte_level_for_tests(), p, quant="f32")
       >>> load_gguf(p).config.n_layers
@@ -168,24 +168,28 @@ def save_gguf(model: Any, tokenizer: Any, path: str | os.PathLike, *, quant: str
         raise ExportError(f"unknown GGUF quantization {quant!r}; use one of {', '.join(GGUF_QUANTS)}")
     qtype = GGUF_QUANTS[quant]
     cfg: LlamaConfig = model.config
+    a = cfg.arch  # the metadata keys' prefix: llama.* or qwen2.*
     meta: dict[str, Any] = {
-        "general.architecture": "llama", "general.name": name,
+        "general.architecture": a, "general.name": name,
         "general.file_type": Typed("u32", _FILE_TYPES[qtype]),
         "general.quantization_version": Typed("u32", 2),
-        "llama.vocab_size": Typed("u32", cfg.vocab),
-        "llama.context_length": Typed("u32", cfg.max_seq_len),
-        "llama.embedding_length": Typed("u32", cfg.dim),
-        "llama.block_count": Typed("u32", cfg.n_layers),
-        "llama.feed_forward_length": Typed("u32", cfg.hidden_dim),
-        "llama.rope.dimension_count": Typed("u32", cfg.head_dim_),
-        "llama.attention.head_count": Typed("u32", cfg.n_heads),
-        "llama.attention.head_count_kv": Typed("u32", cfg.n_kv_heads),
-        "llama.attention.layer_norm_rms_epsilon": Typed("f32", float(cfg.rms_eps)),
-        "llama.rope.freq_base": Typed("f32", float(cfg.rope_theta)),
+        f"{a}.vocab_size": Typed("u32", cfg.vocab),
+        f"{a}.context_length": Typed("u32", cfg.max_seq_len),
+        f"{a}.embedding_length": Typed("u32", cfg.dim),
+        f"{a}.block_count": Typed("u32", cfg.n_layers),
+        f"{a}.feed_forward_length": Typed("u32", cfg.hidden_dim),
+        f"{a}.rope.dimension_count": Typed("u32", cfg.head_dim_),
+        f"{a}.attention.head_count": Typed("u32", cfg.n_heads),
+        f"{a}.attention.head_count_kv": Typed("u32", cfg.n_kv_heads),
+        f"{a}.attention.layer_norm_rms_epsilon": Typed("f32", float(cfg.rms_eps)),
+        f"{a}.rope.freq_base": Typed("f32", float(cfg.rope_theta)),
     }
     if cfg.head_dim_ != cfg.dim // cfg.n_heads:
-        meta["llama.attention.key_length"] = Typed("u32", cfg.head_dim_)
-        meta["llama.attention.value_length"] = Typed("u32", cfg.head_dim_)
+        meta[f"{a}.attention.key_length"] = Typed("u32", cfg.head_dim_)
+        meta[f"{a}.attention.value_length"] = Typed("u32", cfg.head_dim_)
+    # llama.cpp's Q/K row order for 'llama' files; Qwen2 files keep Hugging Face's
+    q_rows = (lambda w: permute_qk(w, cfg.n_heads)) if a == "llama" else (lambda w: w)
+    k_rows = (lambda w: permute_qk(w, cfg.n_kv_heads)) if a == "llama" else (lambda w: w)
     meta.update(gguf_tokenizer_metadata(tokenizer, cfg.vocab))
     flat = _float_params(model)
     vector = lambda n, w: (n, "F32", w.shape, np.ascontiguousarray(w, np.float32))  # noqa: E731
@@ -197,8 +201,8 @@ def save_gguf(model: Any, tokenizer: Any, path: str | os.PathLike, *, quant: str
         at = lambda k: flat[f"layers.{i}.{k}"]  # noqa: E731
         tensors += [
             vector(f"blk.{i}.attn_norm.weight", at("attn_norm.scale")),
-            _matrix(f"blk.{i}.attn_q.weight", permute_qk(at("attn.wq.kernel").T, cfg.n_heads), qtype),
-            _matrix(f"blk.{i}.attn_k.weight", permute_qk(at("attn.wk.kernel").T, cfg.n_kv_heads), qtype),
+            _matrix(f"blk.{i}.attn_q.weight", q_rows(at("attn.wq.kernel").T), qtype),
+            _matrix(f"blk.{i}.attn_k.weight", k_rows(at("attn.wk.kernel").T), qtype),
             _matrix(f"blk.{i}.attn_v.weight", at("attn.wv.kernel").T, qtype),
             _matrix(f"blk.{i}.attn_output.weight", at("attn.wo.kernel").T, qtype),
             vector(f"blk.{i}.ffn_norm.weight", at("mlp_norm.scale")),
@@ -206,6 +210,10 @@ def save_gguf(model: Any, tokenizer: Any, path: str | os.PathLike, *, quant: str
             _matrix(f"blk.{i}.ffn_up.weight", at("mlp.w3.kernel").T, qtype),
             _matrix(f"blk.{i}.ffn_down.weight", at("mlp.w2.kernel").T, qtype),
         ]
+        if cfg.qkv_bias:
+            tensors += [vector(f"blk.{i}.attn_q.bias", q_rows(at("attn.wq.bias"))),
+                        vector(f"blk.{i}.attn_k.bias", k_rows(at("attn.wk.bias"))),
+                        vector(f"blk.{i}.attn_v.bias", at("attn.wv.bias"))]
     write_gguf(path, meta, tensors)
 
 

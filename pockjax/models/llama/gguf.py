@@ -17,7 +17,7 @@ import numpy as np
 
 from pockjax.errors import GGUFError, UnsupportedModelError
 from pockjax.io.gguf import GGUFFile, open_gguf
-from pockjax.models.llama.config import LlamaConfig
+from pockjax.models.llama.config import ARCHS, LlamaConfig
 from pockjax.models.llama.weights import build_model, check_params, config_from_fields
 
 __all__ = [
@@ -161,21 +161,20 @@ def gguf_config(reader: GGUFFile, **overrides: Any) -> LlamaConfig:
     """
     path = reader.path
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
+    if arch not in ARCHS:
         raise UnsupportedModelError(
-            f"{path}: GGUF architecture {arch!r} is not supported; pockjax loads 'llama'"
-            f" architecture files (LLaMA, SmolLM, TinyLlama, ...)")
+            f"{path}: GGUF architecture {arch!r} is not supported; pockjax loads"
+            f" {', '.join(repr(a) for a in ARCHS)} architecture files (LLaMA, SmolLM, TinyLlama, Qwen2, ...)")
     names = {t.name for t in reader.tensors}
-    scaling = _field(reader, "llama.rope.scaling.type", "none")
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", None) or "rope_freqs.weight" in names:
         raise UnsupportedModelError(f"{path}: RoPE scaling ({scaling}) is not supported")
-    for key in ("llama.attention.head_count", "llama.embedding_length", "llama.block_count",
-                "llama.feed_forward_length"):
-        if key not in reader.metadata:
-            raise GGUFError(f"{path}: metadata key {key!r} is missing")
-    n_heads = _field(reader, "llama.attention.head_count")
-    dim = _field(reader, "llama.embedding_length")
-    vocab = _field(reader, "llama.vocab_size")
+    for key in ("attention.head_count", "embedding_length", "block_count", "feed_forward_length"):
+        if f"{arch}.{key}" not in reader.metadata:
+            raise GGUFError(f"{path}: metadata key {arch}.{key!r} is missing")
+    n_heads = _field(reader, f"{arch}.attention.head_count")
+    dim = _field(reader, f"{arch}.embedding_length")
+    vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
         tokens = reader.get("tokenizer.ggml.tokens")
         if isinstance(tokens, list):
@@ -186,22 +185,24 @@ def gguf_config(reader: GGUFFile, **overrides: Any) -> LlamaConfig:
                 raise GGUFError(f"{path}: no llama.vocab_size, tokenizer.ggml.tokens or"
                                 f" two-dimensional token_embd.weight to size the vocabulary")
             vocab = int(emb.shape[0])
-    head_dim = _field(reader, "llama.attention.key_length")
+    head_dim = _field(reader, f"{arch}.attention.key_length")
     if isinstance(head_dim, int) and isinstance(dim, int) and isinstance(n_heads, int) \
             and n_heads > 0 and head_dim == dim // n_heads:
         head_dim = None
     cfg = config_from_fields(
         path, GGUFError,
-        vocab=vocab, dim=dim, n_layers=_field(reader, "llama.block_count"),
+        vocab=vocab, dim=dim, n_layers=_field(reader, f"{arch}.block_count"),
         n_heads=n_heads,
-        n_kv_heads=_field(reader, "llama.attention.head_count_kv", n_heads),
-        hidden_dim=_field(reader, "llama.feed_forward_length"),
-        rope_theta=_field(reader, "llama.rope.freq_base", 10000.0),
-        rms_eps=_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5),
+        n_kv_heads=_field(reader, f"{arch}.attention.head_count_kv", n_heads),
+        hidden_dim=_field(reader, f"{arch}.feed_forward_length"),
+        rope_theta=_field(reader, f"{arch}.rope.freq_base", 10000.0),
+        rms_eps=_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
         tie_embeddings="output.weight" not in names,
-        max_seq_len=_field(reader, "llama.context_length", 2048),
+        max_seq_len=_field(reader, f"{arch}.context_length", 2048),
         head_dim=head_dim,
     )
+    if arch == "qwen2":
+        cfg = cfg.replace(arch="qwen2", qkv_bias=True)
     return cfg.replace(**overrides)
 
 
@@ -216,13 +217,23 @@ def _target(path: str, name: str, cfg: LlamaConfig
     if name in top:
         return top[name]
     parts = name.split(".")
+    # llama.cpp permutes the Q/K rows of 'llama' files only (Qwen2 keeps Hugging Face's order)
+    q_rows = (lambda w: unpermute_qk(w, cfg.n_heads)) if cfg.arch == "llama" else (lambda w: w)
+    k_rows = (lambda w: unpermute_qk(w, cfg.n_kv_heads)) if cfg.arch == "llama" else (lambda w: w)
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "bias" and cfg.qkv_bias:
+        i, kind = int(parts[1]), parts[2]
+        biases = {"attn_q": ("attn.wq.bias", q_rows), "attn_k": ("attn.wk.bias", k_rows),
+                  "attn_v": ("attn.wv.bias", lambda w: w)}
+        if kind in biases and i < cfg.n_layers:
+            target, fn = biases[kind]
+            return f"layers.{i}.{target}", fn
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight":
         i, kind = int(parts[1]), parts[2]
         per_block = {
             "attn_norm": ("attn_norm.scale", lambda w: w),
             "ffn_norm": ("mlp_norm.scale", lambda w: w),
-            "attn_q": ("attn.wq.kernel", lambda w: unpermute_qk(w, cfg.n_heads).T),
-            "attn_k": ("attn.wk.kernel", lambda w: unpermute_qk(w, cfg.n_kv_heads).T),
+            "attn_q": ("attn.wq.kernel", lambda w: q_rows(w).T),
+            "attn_k": ("attn.wk.kernel", lambda w: k_rows(w).T),
             "attn_v": ("attn.wv.kernel", lambda w: w.T),
             "attn_output": ("attn.wo.kernel", lambda w: w.T),
             "ffn_gate": ("mlp.w1.kernel", lambda w: w.T),
@@ -232,7 +243,7 @@ def _target(path: str, name: str, cfg: LlamaConfig
         if kind in per_block and i < cfg.n_layers:
             path, fn = per_block[kind]
             return f"layers.{i}.{path}", fn
-    raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} in a llama GGUF file")
+    raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} in a {cfg.arch} GGUF file")
 
 
 def _kept_quantized(raw: np.ndarray, t: Any, target: str, want: str, cfg: LlamaConfig):
@@ -245,7 +256,7 @@ def _kept_quantized(raw: np.ndarray, t: Any, target: str, want: str, cfg: LlamaC
         return quant.quantize(fn(dequantize(raw, t.type_name, t.shape)), want, transposed=kernel)
     qt = quant.from_gguf_blocks(raw, t.type_name, t.shape, transposed=kernel)
     heads = cfg.n_heads if ".attn.wq." in target else cfg.n_kv_heads if ".attn.wk." in target else None
-    if heads is not None:  # llama.cpp's Q/K row order, undone on the rows of every block array
+    if heads is not None and cfg.arch == "llama":  # llama.cpp's Q/K row order, undone on the rows of every block array
         import jax
 
         qt = jax.tree.map(lambda c: np.ascontiguousarray(unpermute_qk(c, heads)), qt)

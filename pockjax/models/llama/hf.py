@@ -18,7 +18,7 @@ from pockjax.errors import CheckpointError, FileMissingError, UnsupportedModelEr
 from pockjax.io.atomic import write_json
 from pockjax.io.jsonfile import read_json_object
 from pockjax.io.safetensors import read_safetensors, write_safetensors
-from pockjax.models.llama.config import LlamaConfig
+from pockjax.models.llama.config import ARCHS, LlamaConfig
 from pockjax.models.llama.weights import build_model, check_params, config_from_fields
 
 __all__ = ["CheckpointError", "hf_config", "load_hf_checkpoint", "read_hf_checkpoint",
@@ -46,10 +46,13 @@ def hf_config(config_json: dict[str, Any], source: str = "config.json",
       True
     """
     c = config_json
-    if c.get("model_type") != "llama":
+    arch = c.get("model_type")
+    if arch not in ARCHS:
         raise UnsupportedModelError(
-            f"{source}: model_type {c.get('model_type')!r} is not supported; pockjax loads"
-            f" 'llama' checkpoints (architectures {c.get('architectures')})")
+            f"{source}: model_type {arch!r} is not supported; pockjax loads"
+            f" {' and '.join(repr(a) for a in ARCHS)} checkpoints (architectures {c.get('architectures')})")
+    if arch == "qwen2" and c.get("use_sliding_window"):
+        raise UnsupportedModelError(f"{source}: Qwen2 with use_sliding_window is not supported")
     rope = c.get("rope_parameters") or {}
     scaling = c.get("rope_scaling") or {}
     if not isinstance(rope, dict) or not isinstance(scaling, dict):
@@ -59,7 +62,7 @@ def hf_config(config_json: dict[str, Any], source: str = "config.json",
         raise UnsupportedModelError(f"{source}: RoPE scaling {rope_type!r} is not supported")
     if c.get("attention_bias") or c.get("mlp_bias"):
         raise UnsupportedModelError(f"{source}: LLaMA variants with attention or MLP biases are"
-                                    f" not supported")
+                                    f" not supported (Qwen2's Q/K/V biases are: model_type 'qwen2')")
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
                            "num_attention_heads", "intermediate_size") if k not in c]
     if missing:
@@ -84,6 +87,8 @@ def hf_config(config_json: dict[str, Any], source: str = "config.json",
         max_seq_len=c.get("max_position_embeddings", 4096),
         head_dim=head_dim,
     )
+    if arch == "qwen2":  # Qwen2: LLaMA with biases on the Q, K and V projections
+        cfg = cfg.replace(arch="qwen2", qkv_bias=True)
     return cfg.replace(**overrides)
 
 
@@ -97,6 +102,9 @@ _HF_NAMES = {
     "mlp.gate_proj.weight": ("mlp.w1.kernel", True),
     "mlp.up_proj.weight": ("mlp.w3.kernel", True),
     "mlp.down_proj.weight": ("mlp.w2.kernel", True),
+    "self_attn.q_proj.bias": ("attn.wq.bias", False),
+    "self_attn.k_proj.bias": ("attn.wk.bias", False),
+    "self_attn.v_proj.bias": ("attn.wv.bias", False),
 }
 
 
@@ -271,8 +279,9 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike, *, dtype: Any = np.f
                    for k, v in tensors.items()}
     write_safetensors(os.path.join(path, "model.safetensors"), tensors,
                       metadata={"format": "pt"})
+    qwen = cfg.arch == "qwen2"
     config_json = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"], "model_type": cfg.arch,
         "vocab_size": cfg.vocab, "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
         "intermediate_size": cfg.hidden_dim, "rope_theta": cfg.rope_theta,
@@ -281,4 +290,7 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike, *, dtype: Any = np.f
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "torch_dtype": "float16" if dtype == np.float16 else "float32",
     }
+    if qwen:
+        config_json.pop("attention_bias"), config_json.pop("mlp_bias")
+        config_json["use_sliding_window"] = False
     write_json(os.path.join(path, "config.json"), config_json, indent=2)

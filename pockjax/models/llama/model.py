@@ -215,8 +215,8 @@ class RMSNorm(nnx.Module):
 
 
 def _linear(din: int, dout: int, rngs: nnx.Rngs, dtype: Any, param_dtype: Any,
-            std: float = 0.02) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+            std: float = 0.02, bias: bool = False) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
                       kernel_init=nnx.initializers.normal(std), rngs=rngs)
 
 
@@ -236,9 +236,10 @@ class Attention(nnx.Module):
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = hd
-        self.wq = _linear(config.dim, config.n_heads * hd, rngs, dtype, param_dtype)
-        self.wk = _linear(config.dim, config.n_kv_heads * hd, rngs, dtype, param_dtype)
-        self.wv = _linear(config.dim, config.n_kv_heads * hd, rngs, dtype, param_dtype)
+        bias = config.qkv_bias  # Qwen2
+        self.wq = _linear(config.dim, config.n_heads * hd, rngs, dtype, param_dtype, bias=bias)
+        self.wk = _linear(config.dim, config.n_kv_heads * hd, rngs, dtype, param_dtype, bias=bias)
+        self.wv = _linear(config.dim, config.n_kv_heads * hd, rngs, dtype, param_dtype, bias=bias)
         self.wo = _linear(config.n_heads * hd, config.dim, rngs, dtype, param_dtype)
 
     def __call__(self, x, cos, sin, mask, cache=None, cache_index=None, query_rows=None,

@@ -70,6 +70,9 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.w3.kernel": (cfg.dim, cfg.hidden_dim),
             p + "mlp.w2.kernel": (cfg.hidden_dim, cfg.dim),
         })
+        if cfg.qkv_bias:
+            shapes.update({p + "attn.wq.bias": (cfg.n_heads * hd,), p + "attn.wk.bias": (cfg.n_kv_heads * hd,),
+                           p + "attn.wv.bias": (cfg.n_kv_heads * hd,)})
     return shapes
 
 
