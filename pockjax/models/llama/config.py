@@ -33,6 +33,11 @@ class LlamaConfig:
             list ``layers.0``, ``layers.1``, ...
         head_dim: Width of one attention head; ``None`` means ``dim // n_heads``.
         qkv_bias: Whether the Q, K and V projections have biases (Qwen2).
+        rope_scaling: RoPE frequency scaling: ``None``, Llama 3's
+          ``("llama3", factor, low_freq_factor, high_freq_factor,
+          original_max_position_embeddings)``, or ``("factors", f_0, ...)``
+          (each frequency divided by its f_i, as GGUF's ``rope_freqs``).
+          See :func:`rope_freq_factors`.
         arch: The architecture the weights come from and export to:
           ``llama`` or ``qwen2`` (LLaMA with Q/K/V biases; no row permutation
           of Q and K in GGUF).
@@ -65,8 +70,17 @@ class LlamaConfig:
     attn_block_rows: int | None = 64
     qkv_bias: bool = False
     arch: str = "llama"
+    rope_scaling: tuple | None = None
 
     def __post_init__(self):
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))  # a JSON list reads back
+            kind = self.rope_scaling[0] if self.rope_scaling else None
+            if kind not in ("llama3", "factors") or (kind == "llama3" and len(self.rope_scaling) != 5) \
+                    or (kind == "factors" and len(self.rope_scaling) != 1 + self.head_dim_ // 2):
+                raise ValueError(f"rope_scaling={self.rope_scaling!r}: expected ('llama3', factor,"
+                                 f" low_freq_factor, high_freq_factor, original_max_position_embeddings)"
+                                 f" or ('factors', one divisor per frequency)")
         if self.arch not in ARCHS:
             raise ValueError(f"arch={self.arch!r}: pockjax builds {', '.join(ARCHS)} models")
         if self.attn_block_rows is not None and self.attn_block_rows < 1:
@@ -177,3 +191,42 @@ class LlamaConfig:
                               hidden_dim=96, rope_theta=10000.0, rms_eps=1e-5,
                               tie_embeddings=False, max_seq_len=64)
         return base.replace(**overrides)
+
+
+def rope_freq_factors(config: LlamaConfig):
+    """The divisor of each RoPE frequency (``head_dim // 2`` floats), or None without scaling.
+
+    Llama 3's scaling keeps the high frequencies, divides the low ones by
+    ``factor`` and blends in between (as transformers' ``llama3`` rope type
+    and llama.cpp's ``rope_freqs`` tensor compute it).
+
+    Example:
+        >>> cfg = LlamaConfig.tiny(rope_scaling=("llama3", 8.0, 1.0, 4.0, 32))  # wavelengths 6.3, 21, 69, ...
+        >>> [round(float(f), 2) for f in rope_freq_factors(cfg)]  # kept below 32 / 4, divided by 8 above 32
+        [1.0, 3.3, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0]
+        >>> rope_freq_factors(LlamaConfig.tiny()) is None
+        True
+    """
+    import math
+
+    import numpy as np
+
+    if config.rope_scaling is None:
+        return None
+    kind, *values = config.rope_scaling
+    if kind == "factors":
+        return np.asarray(values, np.float32)
+    factor, low, high, old_len = (float(v) for v in values)
+    hd = config.head_dim_
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    out = []
+    for f in inv_freq:
+        wavelen = 2 * math.pi / f
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)

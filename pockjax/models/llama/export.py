@@ -18,7 +18,7 @@ import numpy as np
 
 from pockjax.errors import PockjaxError
 from pockjax.io.gguf import Typed, write_gguf
-from pockjax.models.llama.config import LlamaConfig
+from pockjax.models.llama.config import LlamaConfig, rope_freq_factors
 
 __all__ = ["EXPORT_FORMATS", "GGUF_QUANTS", "ExportError", "export_model", "gguf_tokenizer_metadata",
            "permute_qk", "save_gguf"]
@@ -195,6 +195,9 @@ def save_gguf(model: Any, tokenizer: Any, path: str | os.PathLike, *, quant: str
     vector = lambda n, w: (n, "F32", w.shape, np.ascontiguousarray(w, np.float32))  # noqa: E731
     tensors = [_matrix("token_embd.weight", flat["embed.embedding"], qtype),
                vector("output_norm.weight", flat["norm.scale"])]
+    factors = rope_freq_factors(cfg)
+    if factors is not None:  # Llama 3's RoPE scaling, as llama.cpp reads it
+        tensors.append(vector("rope_freqs.weight", factors))
     if not cfg.tie_embeddings:
         tensors.append(_matrix("output.weight", flat["lm_head.kernel"].T, qtype))
     for i in range(cfg.n_layers):

@@ -167,7 +167,7 @@ def gguf_config(reader: GGUFFile, **overrides: Any) -> LlamaConfig:
             f" {', '.join(repr(a) for a in ARCHS)} architecture files (LLaMA, SmolLM, TinyLlama, Qwen2, ...)")
     names = {t.name for t in reader.tensors}
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None) or "rope_freqs.weight" in names:
+    if scaling not in ("none", None):
         raise UnsupportedModelError(f"{path}: RoPE scaling ({scaling}) is not supported")
     for key in ("attention.head_count", "embedding_length", "block_count", "feed_forward_length"):
         if f"{arch}.{key}" not in reader.metadata:
@@ -203,6 +203,15 @@ def gguf_config(reader: GGUFFile, **overrides: Any) -> LlamaConfig:
     )
     if arch == "qwen2":
         cfg = cfg.replace(arch="qwen2", qkv_bias=True)
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:  # Llama 3's scaling, as llama.cpp stores it: a divisor per frequency
+        try:
+            factors = dequantize(reader.tensor_bytes(freqs), freqs.type_name, freqs.shape).ravel()
+        except (GGUFError, UnsupportedModelError) as e:
+            raise GGUFError(f"{path}: tensor rope_freqs.weight: {e}") from None
+        if factors.size != cfg.head_dim_ // 2 or not np.all(np.isfinite(factors) & (factors > 0)):
+            raise GGUFError(f"{path}: rope_freqs.weight must hold {cfg.head_dim_ // 2} positive factors")
+        cfg = cfg.replace(rope_scaling=("factors",) + tuple(float(f) for f in factors))
     return cfg.replace(**overrides)
 
 
@@ -295,6 +304,8 @@ def read_gguf(path: str | os.PathLike, *, formats: Callable | None = None, **con
     fmt = formats(cfg) if formats is not None else None
     params: dict[str, np.ndarray] = {}
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # read into the config (gguf_config)
+            continue
         target, fn = _target(path, t.name, cfg)
         if target in params:
             raise GGUFError(f"{path}: two tensors map to {target}")

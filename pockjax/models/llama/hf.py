@@ -58,8 +58,17 @@ def hf_config(config_json: dict[str, Any], source: str = "config.json",
     if not isinstance(rope, dict) or not isinstance(scaling, dict):
         raise CheckpointError(f"{source}: rope_parameters and rope_scaling must be objects")
     rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type not in ("default", None):
-        raise UnsupportedModelError(f"{source}: RoPE scaling {rope_type!r} is not supported")
+    if rope_type not in ("default", None, "llama3"):
+        raise UnsupportedModelError(f"{source}: RoPE scaling {rope_type!r} is not supported (supported:"
+                                    f" none, 'llama3')")
+    rope_scaling = None
+    if rope_type == "llama3":
+        params = {**scaling, **rope}
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        bad = [k for k in keys if isinstance(params.get(k), bool) or not isinstance(params.get(k), (int, float))]
+        if bad:
+            raise CheckpointError(f"{source}: llama3 RoPE scaling needs numbers {', '.join(bad)}")
+        rope_scaling = ("llama3",) + tuple(float(params[k]) for k in keys)
     if c.get("attention_bias") or c.get("mlp_bias"):
         raise UnsupportedModelError(f"{source}: LLaMA variants with attention or MLP biases are"
                                     f" not supported (Qwen2's Q/K/V biases are: model_type 'qwen2')")
@@ -89,6 +98,8 @@ def hf_config(config_json: dict[str, Any], source: str = "config.json",
     )
     if arch == "qwen2":  # Qwen2: LLaMA with biases on the Q, K and V projections
         cfg = cfg.replace(arch="qwen2", qkv_bias=True)
+    if rope_scaling is not None:
+        cfg = cfg.replace(rope_scaling=rope_scaling)
     return cfg.replace(**overrides)
 
 
@@ -290,6 +301,14 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike, *, dtype: Any = np.f
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "torch_dtype": "float16" if dtype == np.float16 else "float32",
     }
+    if cfg.rope_scaling is not None:
+        kind, *values = cfg.rope_scaling
+        if kind != "llama3":
+            raise CheckpointError("a Hugging Face config describes RoPE scaling by its llama3 parameters;"
+                                  " this model has only per-frequency factors (read from a GGUF file)")
+        config_json["rope_scaling"] = {"rope_type": "llama3", "factor": values[0], "low_freq_factor": values[1],
+                                       "high_freq_factor": values[2],
+                                       "original_max_position_embeddings": int(values[3])}
     if qwen:
         config_json.pop("attention_bias"), config_json.pop("mlp_bias")
         config_json["use_sliding_window"] = False

@@ -85,7 +85,7 @@ def init_cache(config: LlamaConfig, batch: int, max_len: int,
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float, factors: Any = None
                  ) -> tuple[jax.Array, jax.Array]:
     """Cosine and sine tables for rotary embeddings (Hugging Face convention).
 
@@ -93,6 +93,7 @@ def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float
       positions: Integer positions, shape ``(batch, seq)``.
       head_dim: Width of one head (even).
       theta: RoPE base (``rope_theta``).
+      factors: Optional divisor of each frequency (:func:`rope_freq_factors`, Llama 3).
 
     Returns:
       ``(cos, sin)``, each float32 of shape ``(batch, seq, head_dim)``; the
@@ -104,12 +105,14 @@ def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float
       ((1, 3, 4), 1.0, 0.841...)
     """
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if factors is not None:
+        inv_freq = inv_freq / jnp.asarray(factors, jnp.float32)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def _rope_table(n: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def _rope_table(n: int, head_dim: int, theta: float, factors: Any = None) -> tuple[jax.Array, jax.Array]:
     # rope_cos_sin of positions 0 .. n-1, evaluated now even under a trace, so
     # that a jitted step holds the table as a constant. Computed from traced
     # positions instead, XLA's CPU backend fuses the cosine and sine into every
@@ -117,7 +120,15 @@ def _rope_table(n: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Arr
     # each head (the query rotation of a SmolLM2 layer took 2.0 ms instead of
     # 0.56 ms, 30 layers and their backward every step).
     with jax.ensure_compile_time_eval():
-        return rope_cos_sin(jnp.arange(n)[None], head_dim, theta)
+        return rope_cos_sin(jnp.arange(n)[None], head_dim, theta, factors)
+
+
+def _factors(config):
+    """The config's RoPE frequency divisors as a tuple (hashable, a constant under jit), or None."""
+    from pockjax.models.llama.config import rope_freq_factors
+
+    f = rope_freq_factors(config)
+    return None if f is None else tuple(float(x) for x in f)
 
 
 def _rotate_half(x: jax.Array) -> jax.Array:
@@ -468,12 +479,14 @@ class Llama(nnx.Module):
         if positions is None:
             # Positions are 0 .. t-1, or (with a mask) a count below t: read the
             # rotary tables from a constant of t rows instead of computing them.
-            cos, sin = _rope_table(t, self.config.head_dim_, self.config.rope_theta)
+            cos, sin = _rope_table(t, self.config.head_dim_, self.config.rope_theta,
+                                   _factors(self.config))
             if mask is not None:
                 positions = jnp.maximum(jnp.cumsum(key_valid, axis=-1) - 1, 0)
                 cos, sin = cos[0][positions], sin[0][positions]
         else:
-            cos, sin = rope_cos_sin(positions, self.config.head_dim_, self.config.rope_theta)
+            cos, sin = rope_cos_sin(positions, self.config.head_dim_, self.config.rope_theta,
+                                    _factors(self.config))
         attn_mask = causal_mask(jnp.arange(t), key_valid)
         x = self.embed(tokens)
         if rows is not None:
@@ -561,7 +574,7 @@ def decode_groups(models: list, tokens: jax.Array, positions: jax.Array, caches:
     """
     head = models[0]
     t = tokens.shape[1]
-    cos, sin = rope_cos_sin(positions, head.config.head_dim_, head.config.rope_theta)
+    cos, sin = rope_cos_sin(positions, head.config.head_dim_, head.config.rope_theta, _factors(head.config))
     attn_mask = causal_mask(cache_index + jnp.arange(t), key_valid)
     x = head.embed(tokens)
     new = []
