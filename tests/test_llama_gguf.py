@@ -61,8 +61,8 @@ def test_dequantize_hand_built_blocks():
 
 
 def test_dequantize_rejects_unsupported_and_wrong_sizes():
-    with pytest.raises(llama.UnsupportedModelError, match="Q4_K is not supported"):
-        dequantize(np.zeros(144, np.uint8), "Q4_K", (256,))
+    with pytest.raises(llama.UnsupportedModelError, match="IQ2_XXS is not supported"):
+        dequantize(np.zeros(66, np.uint8), "IQ2_XXS", (256,))
     with pytest.raises(llama.GGUFError, match="needs"):
         dequantize(np.zeros(30, np.uint8), "Q8_0", (32,))
 
@@ -189,11 +189,12 @@ def test_non_llama_architecture_is_rejected(tiny, tmp_path):
 
 
 def test_unsupported_quant_type_in_file(tiny, tmp_path):
-    # One Q4_K super-block (256 values in 144 bytes) where the embedding should be.
-    raw = np.zeros((1, 144), np.uint8)
-    path = _write_tiny_gguf(tmp_path / "q4k.gguf", tiny,
-                            raw_override={"token_embd.weight": (raw, Q.Q4_K)})
-    with pytest.raises(llama.UnsupportedModelError, match="token_embd.weight.*Q4_K"):
+    # IQ2_XXS blocks (256 values in 66 bytes) where the embedding should be: an importance
+    # quantization pockjax does not read (the K-quants it does: tests/test_kquants.py)
+    raw = np.zeros((128 * 64 // 256, 66), np.uint8)
+    path = _write_tiny_gguf(tmp_path / "iq2.gguf", tiny,
+                            raw_override={"token_embd.weight": (raw, Q.IQ2_XXS)})
+    with pytest.raises(llama.UnsupportedModelError, match="token_embd.weight.*IQ2_XXS"):
         llama.load_gguf(path)
 
 

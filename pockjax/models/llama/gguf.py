@@ -1,7 +1,8 @@
 """Loading LLaMA-architecture GGUF files (llama.cpp's format) into :class:`Llama`.
 
 Tensors are dequantized to float32 with vectorised numpy (F32, F16, BF16, Q8_0,
-Q4_0, Q4_1). llama.cpp's converter permutes the rows of the Q and K projections
+Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K ... Q6_K of ``Q4_K_M``-style files,
+:mod:`pockjax.io.kquants`). llama.cpp's converter permutes the rows of the Q and K projections
 (to interleave the two rotary halves); the loader undoes that, so the model
 matches Hugging Face ``LlamaForCausalLM`` exactly.
 
@@ -17,6 +18,7 @@ import numpy as np
 
 from pockjax.errors import GGUFError, UnsupportedModelError
 from pockjax.io.gguf import GGUFFile, open_gguf
+from pockjax.io.kquants import BLOCKS as KQUANT_BLOCKS, DEQUANTIZERS as KQUANT_DEQUANTIZERS
 from pockjax.models.llama.config import ARCHS, LlamaConfig
 from pockjax.models.llama.weights import build_model, check_params, config_from_fields
 
@@ -35,8 +37,8 @@ __all__ = [
 
 
 # (block size in values, bytes per block) of each block-quantized type.
-_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20)}
-SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), **KQUANT_BLOCKS}
+SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", *KQUANT_BLOCKS)
 
 
 def _f16(col: np.ndarray) -> np.ndarray:
@@ -67,7 +69,7 @@ def _dequant_q4_1(blocks: np.ndarray) -> np.ndarray:
 
 
 _BLOCK_DEQUANT: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "Q8_0": _dequant_q8_0, "Q4_0": _dequant_q4_0, "Q4_1": _dequant_q4_1,
+    "Q8_0": _dequant_q8_0, "Q4_0": _dequant_q4_0, "Q4_1": _dequant_q4_1, **KQUANT_DEQUANTIZERS,
 }
 
 
@@ -84,7 +86,7 @@ def dequantize(raw: np.ndarray, qtype: str, shape: tuple[int, ...]) -> np.ndarra
       A float32 array of ``shape``.
 
     Raises:
-      UnsupportedModelError: for any other type (e.g. the K-quants).
+      UnsupportedModelError: for any other type (e.g. the IQ types).
 
     Example:
       >>> block = np.zeros(18, np.uint8)            # one Q4_0 block
