@@ -13,7 +13,7 @@ from pockjax.data import DataError, SequenceLengthError
 from pockjax.models import llama
 from pockjax.models.llama import GGUFError
 from pockjax.train import FinetuneConfig, FinetuneError, finetune, llama_scheme
-from pockjax.train.finetune import OUTPUT_FILES
+from pockjax.train.finetune import OUTPUT_FILES, PLOT_FILE
 
 TINY = llama.LlamaConfig.tiny(vocab=259, max_seq_len=256)
 
@@ -48,7 +48,7 @@ def full_run(tmp_path_factory, tok):
 
 def test_run_writes_a_loadable_directory(full_run):
     out, result = full_run
-    assert sorted(os.listdir(out)) == sorted(OUTPUT_FILES)
+    assert sorted(os.listdir(out)) == sorted(OUTPUT_FILES + (PLOT_FILE,))  # Matplotlib is a test dependency
     m = json.load(open(os.path.join(out, "metrics.json")))
     assert m["steps"] == 4 and len(m["losses"]) == 4 and m["step"] == 4
     assert m["accuracy_before"] is not None and m["accuracy_after"] is not None
@@ -108,7 +108,7 @@ def test_failed_write_leaves_previous_output(full_run, tok, tmp_path, monkeypatc
     with pytest.raises(OSError, match="injected"):
         finetune(cfg(out=out), model=tiny_model(), tokenizer=tok, log=lambda s: None)
     assert sorted(os.listdir(tmp_path)) == ["run"]
-    assert sorted(os.listdir(out)) == sorted(OUTPUT_FILES)
+    assert sorted(os.listdir(out)) == sorted(OUTPUT_FILES + (PLOT_FILE,))  # Matplotlib is a test dependency
     assert json.load(open(os.path.join(out, "state", "trainer.json")))["step"] == 2
     llama.load_pretrained(out)  # complete and loadable
 
@@ -202,3 +202,25 @@ def test_cli(full_run, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "summary" in text and "exact match" in text
     assert json.load(open(os.path.join(new, "metrics.json")))["steps"] == 2
+
+
+def test_schedule_clip_and_curves(tmp_path, tok):
+    out = str(tmp_path / "sched")
+    result = finetune(cfg(out=out, schedule="cosine", warmup=1, grad_clip=0.5), model=tiny_model(), tokenizer=tok,
+                      log=lambda s: None)
+    rows = [line.split(",") for line in open(os.path.join(out, "metrics.csv")).read().split()]
+    assert rows[0] == ["step", "loss", "lr"] and len(rows) == 5
+    assert [float(r[1]) for r in rows[1:]] == result.metrics["losses"]
+    lrs = [float(r[2]) for r in rows[1:]]  # warm-up from 0 to the peak, then the cosine down
+    assert lrs[0] == 0.0 and lrs[1] == pytest.approx(3e-4) and lrs[1] > lrs[2] > lrs[3] > 0
+    assert open(os.path.join(out, PLOT_FILE), "rb").read(4) == b"\x89PNG"
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(schedule="step"), "--schedule must be constant, cosine or linear"),
+    (dict(warmup=4), "--warmup 4 leaves no step at the full learning rate"),
+    (dict(grad_clip=-1.0), "--grad-clip must be a finite number > 0"),
+])
+def test_bad_schedule_options_are_refused(tmp_path, tok, kw, message):
+    with pytest.raises(FinetuneError, match=message):
+        finetune(cfg(out=str(tmp_path / "x"), **kw), model=tiny_model(), tokenizer=tok, log=lambda s: None)

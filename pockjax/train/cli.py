@@ -8,7 +8,7 @@ import sys
 from pockjax._cli_args import (StoreGiven, float_in, given_options, non_negative_finite_float,
                                non_negative_int, positive_finite_float, positive_int, probability)
 from pockjax.models.llama.mixed import DTYPES, QUANTIZE
-from pockjax.train.finetune import DEFAULT_LR, FinetuneConfig
+from pockjax.train.finetune import DEFAULT_LR, SCHEDULES, FinetuneConfig
 from pockjax.train.schemes import SCHEMES
 
 _D = FinetuneConfig()
@@ -88,7 +88,8 @@ def run_finetune(args: argparse.Namespace) -> int:
 
     fields = {k: getattr(args, k) for k in (
         "model", "task", "data", "scheme", "blocks", "optimizer", "lr", "steps", "batch_size",
-        "seq_len", "seed", "eval_examples", "save_every", "out", "resume", "show", "dtype", "quantize")}
+        "seq_len", "seed", "eval_examples", "save_every", "out", "resume", "show", "dtype", "quantize",
+        "schedule", "warmup", "grad_clip")}
     fields["mesh"] = mesh
     given = given_options(args)
     if {"mesh", "devices"} & given:  # --devices N is --mesh data=N: either one replaces the run's mesh
@@ -197,6 +198,12 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", choices=tuple(DTYPES), default=_D.dtype, action=StoreGiven,
                    help="bf16: matrix products in bfloat16 and frozen float weights held in bfloat16;"
                         " trained weights and optimizer state stay float32 (LLaMA models)")
+    p.add_argument("--schedule", choices=SCHEDULES, default=_D.schedule, action=StoreGiven,
+                   help="learning-rate schedule after --warmup: constant, cosine or linear (to 0 at the end)")
+    p.add_argument("--warmup", type=non_negative_int, default=_D.warmup, action=StoreGiven,
+                   help="updates of linear learning-rate warm-up from 0")
+    p.add_argument("--grad-clip", type=positive_finite_float, default=None, action=StoreGiven, metavar="NORM",
+                   help="clip the gradients to this global norm")
     p.add_argument("--quantize", choices=tuple(QUANTIZE), default=_D.quantize, action=StoreGiven,
                    help="hold the frozen matrices block-quantized: int8 (Q8_0) or int4 (Q4_1; a GGUF"
                         " file's own Q4_0/Q4_1 blocks are kept as they are); dequantized per product"

@@ -70,7 +70,10 @@ __all__ = ["FinetuneConfig", "FinetuneError", "FinetuneResult", "finetune", "mak
 
 #: Files a finished output directory holds (``state/`` holds the resume state).
 OUTPUT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                "scheme.json", "metrics.json", "run.json", "state")
+                "scheme.json", "metrics.json", "metrics.csv", "run.json", "state")
+#: The loss curve, also written where Matplotlib is installed (``pockjax[plot]``).
+PLOT_FILE = "loss.png"
+SCHEDULES = ("constant", "cosine", "linear")
 
 DEFAULT_LR = {"adamw": 3e-4, "adam": 3e-4, "sgd": 1e-2, "lion": 3e-5}
 
@@ -88,7 +91,8 @@ WEIGHT_GROWTH_LIMIT = 1000.0
 #: is exact), ``save_every``, ``show``, ``progress``, ``eval_max_new_tokens``,
 #: ``mesh`` (the saved state is whole, so a run may continue on other devices).
 RESULT_FIELDS = ("model", "task", "data", "scheme", "blocks", "optimizer", "lr", "batch_size",
-                 "seq_len", "seed", "train_examples", "eval_examples", "dtype", "quantize")
+                 "seq_len", "seed", "train_examples", "eval_examples", "dtype", "quantize",
+                 "schedule", "warmup", "grad_clip")
 
 # The default run's goal (see the closing summary).
 GOAL_ACCURACY = 0.8
@@ -136,6 +140,10 @@ class FinetuneConfig:
       quantize: ``"none"``, ``"int8"`` or ``"int4"``: frozen matrices held
         block-quantized (Q8_0; Q4_1, or the GGUF file's own Q4_0/Q4_1 blocks),
         dequantized per product inside the step (:mod:`pockjax.quant`).
+      schedule: Learning-rate schedule over the run: ``constant``, ``cosine``
+        (to 0 at the last step) or ``linear`` (to 0), after ``warmup``.
+      warmup: Steps of linear warm-up from 0 to ``lr``.
+      grad_clip: Clip the gradients to this global norm (None: no clipping).
     """
 
     model: str = "smollm2-135m"
@@ -160,6 +168,9 @@ class FinetuneConfig:
     mesh: str = ""
     dtype: str = "fp32"
     quantize: str = "none"
+    schedule: str = "constant"
+    warmup: int = 0
+    grad_clip: float | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -181,12 +192,19 @@ class FinetuneResult:
     out: str | None
 
 
-def make_optimizer(name: str, lr: float | None = None) -> optax.GradientTransformation:
-    """An Optax optimizer by name (``adamw``, ``adam``, ``sgd``, ``lion``).
+def make_optimizer(name: str, lr: float | None = None, *, schedule: str = "constant", warmup: int = 0,
+                   steps: int | None = None, grad_clip: float | None = None) -> optax.GradientTransformation:
+    """An Optax optimizer by name (``adamw``, ``adam``, ``sgd``, ``lion``), with the run's schedule.
+
+    Args:
+      name, lr: the optimizer and its (peak) learning rate (None: ``DEFAULT_LR``).
+      schedule, warmup, steps: :func:`lr_schedule` over ``steps`` updates.
+      grad_clip: clip the gradients to this global norm first.
 
     Example:
       >>> make_optimizer("sgd", 0.1).init({"w": jnp.zeros(2)})[0].trace["w"].shape
       (2,)
+      >>> tx = make_optimizer("adamw", 1e-3, schedule="cosine", warmup=2, steps=10, grad_clip=1.0)
     """
     key = name.lower()
     if key not in DEFAULT_LR:
@@ -194,13 +212,38 @@ def make_optimizer(name: str, lr: float | None = None) -> optax.GradientTransfor
     lr = DEFAULT_LR[key] if lr is None else float(lr)
     if not (lr > 0 and math.isfinite(lr)):
         raise FinetuneError(f"the learning rate must be a finite number > 0, got {lr}")
+    rate = lr_schedule(lr, schedule, warmup, steps) if (schedule != "constant" or warmup) else lr
     if key == "adamw":
-        return optax.adamw(lr, weight_decay=0.0)
-    if key == "adam":
-        return optax.adam(lr)
-    if key == "sgd":
-        return optax.sgd(lr, momentum=0.9)
-    return optax.lion(lr)
+        tx = optax.adamw(rate, weight_decay=0.0)
+    elif key == "adam":
+        tx = optax.adam(rate)
+    elif key == "sgd":
+        tx = optax.sgd(rate, momentum=0.9)
+    else:
+        tx = optax.lion(rate)
+    if grad_clip is not None:
+        tx = optax.chain(optax.clip_by_global_norm(float(grad_clip)), tx)
+    return tx
+
+
+def lr_schedule(lr: float, schedule: str = "constant", warmup: int = 0, steps: int | None = None):
+    """The learning rate at each update: linear warm-up from 0, then constant, cosine or linear to 0.
+
+    Example:
+      >>> f = lr_schedule(1.0, "cosine", warmup=2, steps=10)
+      >>> [round(float(f(i)), 3) for i in (0, 1, 2, 6, 10)]
+      [0.0, 0.5, 1.0, 0.5, 0.0]
+    """
+    if schedule not in SCHEDULES:
+        raise FinetuneError(f"unknown --schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    steps = max(int(steps or 1), warmup + 1)
+    if schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end_value=0.0)
+    after = (optax.constant_schedule(lr) if schedule == "constant"
+             else optax.linear_schedule(lr, 0.0, steps - warmup))
+    if not warmup:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
 
 
 # -- memory and output --------------------------------------------------------------
@@ -267,6 +310,7 @@ def write_output(out: str, *, model: Any, tokenizer: Any, scheme: pockjax.Update
         tokenizer.save(tmp)
         save_scheme_file(os.path.join(tmp, "scheme.json"), scheme)
         _json_dump(metrics, os.path.join(tmp, "metrics.json"))
+        _write_curves(tmp, metrics, run)
         _json_dump(run, os.path.join(tmp, "run.json"))
         leaves = jax.tree.leaves(opt_state)
         np.savez(os.path.join(tmp, "state", "opt_state.npz"),
@@ -275,6 +319,38 @@ def write_output(out: str, *, model: Any, tokenizer: Any, scheme: pockjax.Update
                     "opt_state_leaves": len(leaves),
                     "opt_state_shapes": [list(np.shape(x)) for x in leaves]},
                    os.path.join(tmp, "state", "trainer.json"))
+
+
+def _write_curves(directory: str, metrics: dict, run: dict) -> bool:
+    """``metrics.csv`` (step, loss, learning rate) and ``loss.png`` (the loss curve) of the run so far.
+
+    Returns whether it drew ``loss.png`` (False: Matplotlib is not installed).
+    """
+    from pockjax.io.atomic import save_figure, write_text
+
+    losses = metrics.get("losses", [])
+    cfg = run.get("config", {})
+    lr = run.get("effective", {}).get("lr", 0.0)
+    rate = lr_schedule(lr, cfg.get("schedule", "constant"), int(cfg.get("warmup", 0) or 0),
+                       int(cfg.get("steps", len(losses)) or 1))
+    rows = ["step,loss,lr"] + [f"{i + 1},{loss},{float(rate(i)):.6g}" for i, loss in enumerate(losses)]
+    write_text(os.path.join(directory, "metrics.csv"), "\n".join(rows) + "\n")
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(losses) + 1), losses, lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"{metrics.get('scheme') or cfg.get('scheme', '')} on {cfg.get('task') or cfg.get('data')}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    save_figure(fig, os.path.join(directory, PLOT_FILE))
+    return True
 
 
 def _read_state(out: str) -> tuple[dict, list[np.ndarray]]:
@@ -373,7 +449,8 @@ RESUME_MAY_CHANGE = ("steps", "save_every", "show", "progress", "eval_max_new_to
 
 # The smallest value of each whole-number field (None allowed where the field defaults to None).
 _INT_MIN = {"steps": 1, "batch_size": 1, "seed": 0, "train_examples": 1, "eval_examples": 0,
-            "show": 0, "save_every": 0, "blocks": 1, "seq_len": 1, "eval_max_new_tokens": 1}
+            "show": 0, "save_every": 0, "blocks": 1, "seq_len": 1, "eval_max_new_tokens": 1,
+            "warmup": 0}
 
 
 def _flag(name: str) -> str:
@@ -393,9 +470,16 @@ def _validate(cfg: FinetuneConfig) -> None:
         if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating)) \
                 or not (math.isfinite(lr) and lr > 0):
             raise FinetuneError(f"--lr must be a finite number > 0, got {lr!r}")
+    if cfg.grad_clip is not None:
+        c = cfg.grad_clip
+        if isinstance(c, bool) or not isinstance(c, (int, float, np.floating)) or not (math.isfinite(c) and c > 0):
+            raise FinetuneError(f"--grad-clip must be a finite number > 0, got {c!r}")
+    if cfg.warmup and cfg.warmup >= cfg.steps:
+        raise FinetuneError(f"--warmup {cfg.warmup} leaves no step at the full learning rate of a run of"
+                            f" --steps {cfg.steps}; use a shorter warm-up")
     from pockjax.models.llama.mixed import DTYPES, QUANTIZE
 
-    for name, choices in (("dtype", DTYPES), ("quantize", QUANTIZE)):
+    for name, choices in (("dtype", DTYPES), ("quantize", QUANTIZE), ("schedule", SCHEDULES)):
         if getattr(cfg, name) not in choices:
             *first, last = choices
             raise FinetuneError(f"--{name} must be {', '.join(first)} or {last}, got {getattr(cfg, name)!r}")
@@ -567,7 +651,8 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     elif out and os.path.exists(out) and os.listdir(out):
         raise FinetuneError(f"{out} already exists and is not empty; pass --resume to continue"
                             f" the run in it, or choose another --out")
-    tx = make_optimizer(cfg.optimizer, cfg.lr)
+    tx = make_optimizer(cfg.optimizer, cfg.lr, schedule=cfg.schedule, warmup=cfg.warmup,
+                        steps=cfg.steps, grad_clip=cfg.grad_clip)
 
     mixed = cfg.dtype != "fp32" or cfg.quantize != "none"
     if mixed and model is None:
@@ -847,5 +932,9 @@ def _summary(m: dict, cfg: FinetuneConfig, out: str | None, log) -> None:
                  f" peak RSS {_gb(m['peak_rss_bytes'])}")
     if out:
         lines.append(f"output     {out}  (pockjax generate --model {out} --prompt ...)")
+        plotted = os.path.exists(os.path.join(out, PLOT_FILE))
+        lines.append(f"curves     {os.path.join(out, 'metrics.csv')}"
+                     + (f", {os.path.join(out, PLOT_FILE)}" if plotted
+                        else " (the loss plot needs Matplotlib: pip install 'pockjax[plot]')"))
     for line in lines:
         log(line)
