@@ -1,11 +1,20 @@
-"""User data: JSON Lines in the Alpaca format (``instruction``, ``input``, ``output``).
+"""User data: JSON Lines in the Alpaca format or the chat format.
 
-Each non-blank line is one JSON object::
+Each non-blank line is one JSON object, either Alpaca's::
 
     {"instruction": "Reverse the words.", "input": "the cat sat", "output": "sat cat the"}
 
-``input`` is optional (empty or missing: the instruction alone is the prompt).
-A bad line stops loading with an error that names the file and line number.
+(``input`` is optional: empty or missing, the instruction alone is the
+prompt), or a conversation in the chat format of OpenAI, mlx-lm and TRL::
+
+    {"messages": [{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Reverse: the cat sat"},
+                  {"role": "assistant", "content": "sat cat the"}]}
+
+which ends with an assistant message after a user message: that last reply is
+the answer trained on (and held out), the earlier turns are its context. The
+formats may mix in one file. A bad line stops loading with an error that names
+the file and line number.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ def alpaca_prompt(instruction: str, input: str = "") -> str:
 
 
 def load_alpaca_jsonl(path: str | os.PathLike) -> list[Example]:
-    """Reads an Alpaca-format JSONL file into :class:`Example` objects.
+    """Reads a JSONL file of Alpaca or chat records (see the module) into :class:`Example` objects.
 
     Args:
       path: The ``.jsonl`` file.
@@ -55,8 +64,9 @@ def load_alpaca_jsonl(path: str | os.PathLike) -> list[Example]:
     Raises:
       DataError: missing file, no records, or a malformed line (binary data,
         not UTF-8, invalid JSON, not an object, missing/non-string
-        ``instruction`` or ``output``, or a non-string ``input``), with
-        ``path:line`` in the message.
+        ``instruction`` or ``output``, a non-string ``input``, a chat
+        record that does not end with a user message and the assistant's
+        reply), with ``path:line`` in the message.
 
     Example:
       >>> import pathlib, tempfile
@@ -78,6 +88,9 @@ def load_alpaca_jsonl(path: str | os.PathLike) -> list[Example]:
         raise DataError(str(e)) from None
     for lineno, record in lines:
         where = f"{path}:{lineno}"
+        if isinstance(record, dict) and "messages" in record:
+            examples.append(_chat_example(record, where))
+            continue
         if not isinstance(record, dict):
             raise DataError(f"{where}: expected a JSON object with 'instruction' and"
                             f" 'output', got {type(record).__name__}")
@@ -106,6 +119,36 @@ def load_alpaca_jsonl(path: str | os.PathLike) -> list[Example]:
     return examples
 
 
+_ROLES = ("system", "user", "assistant")
+
+
+def _chat_example(record: dict, where: str) -> Example:
+    """One ``{"messages": [...]}`` record as an :class:`Example` (its last reply is the answer)."""
+    extra = sorted(set(record) - {"messages"})
+    if extra:
+        raise DataError(f"{where}: a chat record holds only 'messages', not {extra}")
+    msgs = record["messages"]
+    if not isinstance(msgs, list) or len(msgs) < 2:
+        raise DataError(f"{where}: 'messages' must be a list of at least a user and an assistant message")
+    turns = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or set(m) - {"role", "content"} or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: messages[{i}] must be an object with a 'role' and a string 'content'")
+        if m.get("role") not in _ROLES:
+            raise DataError(f"{where}: messages[{i}] has role {m.get('role')!r}; roles are {', '.join(_ROLES)}")
+        if _has_surrogates(m["content"]):
+            raise DataError(f"{where}: messages[{i}] holds an unpaired UTF-16 surrogate escape, which is not text")
+        if m["role"] == "system" and i:
+            raise DataError(f"{where}: messages[{i}]: a system message may only come first")
+        turns.append((m["role"], m["content"]))
+    if turns[-1][0] != "assistant" or turns[-2][0] != "user":
+        raise DataError(f"{where}: a chat record ends with a user message and the assistant's reply"
+                        f" (the answer trained on); this one ends with {turns[-2][0]}, {turns[-1][0]}")
+    if not turns[-2][1].strip():
+        raise DataError(f"{where}: the last user message is empty")
+    return Example(turns[-2][1].strip(), turns[-1][1].strip(), "jsonl", tuple(turns[:-2]))
+
+
 def save_alpaca_jsonl(path: str | os.PathLike, examples, instruction: str | None = None) -> None:
     """Writes examples as Alpaca JSONL (the prompt becomes ``instruction``).
 
@@ -120,7 +163,7 @@ def save_alpaca_jsonl(path: str | os.PathLike, examples, instruction: str | None
       >>> p = os.path.join(tempfile.mkdtemp(), "d.jsonl")
       >>> save_alpaca_jsonl(p, [Example("Say hi.", "hi")])
       >>> load_alpaca_jsonl(p)
-      [Example(prompt='Say hi.', answer='hi', task='jsonl')]
+      [Example(prompt='Say hi.', answer='hi', task='jsonl', context=())]
     """
     with atomic_open(path, "w", encoding="utf-8") as f:
         for ex in examples:

@@ -63,6 +63,8 @@ class Example:
     prompt: str
     answer: str
     task: str = ""
+    #: Earlier turns of a conversation, ``((role, content), ...)``: context, not trained.
+    context: tuple = ()
 
     def messages(self, system: str | None = None, with_answer: bool = False) -> list[dict]:
         """The example as chat messages.
@@ -75,7 +77,9 @@ class Example:
           >>> Example("Hi?", "Hello.").messages(with_answer=True)[-1]
           {'role': 'assistant', 'content': 'Hello.'}
         """
-        msgs = [] if system is None else [{"role": "system", "content": system}]
+        has_system = any(role == "system" for role, _ in self.context)
+        msgs = [] if system is None or has_system else [{"role": "system", "content": system}]
+        msgs += [{"role": role, "content": content} for role, content in self.context]
         msgs.append({"role": "user", "content": self.prompt})
         if with_answer:
             msgs.append({"role": "assistant", "content": self.answer})

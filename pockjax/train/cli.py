@@ -158,7 +158,8 @@ def register(subparsers) -> None:
                         + "; a classifier's default: " + ", ".join(
                             f"{s.name} {s.default_task}" for s in CLASSIFIERS.values()) + ")")
     p.add_argument("--data", default=None, metavar="FILE.jsonl", action=StoreGiven,
-                   help="Alpaca-format JSONL (instruction, input, output) instead of --task")
+                   help="JSONL of Alpaca records (instruction, input, output) or chat records ({\"messages\": [...]},"
+                        " trained on the last assistant reply) instead of --task")
     p.add_argument("--scheme", default=_D.scheme, metavar="|".join(SCHEMES) + "|FILE",
                    action=StoreGiven,
                    help="update scheme, or a JSON scheme file (UpdateScheme.to_dict)")

@@ -173,7 +173,7 @@ def gguf_config(reader: GGUFFile, **overrides: Any) -> LlamaConfig:
         raise UnsupportedModelError(f"{path}: RoPE scaling ({scaling}) is not supported")
     for key in ("attention.head_count", "embedding_length", "block_count", "feed_forward_length"):
         if f"{arch}.{key}" not in reader.metadata:
-            raise GGUFError(f"{path}: metadata key {arch}.{key!r} is missing")
+            raise GGUFError(f"{path}: metadata key {arch + '.' + key!r} is missing")
     n_heads = _field(reader, f"{arch}.attention.head_count")
     dim = _field(reader, f"{arch}.embedding_length")
     vocab = _field(reader, f"{arch}.vocab_size")
