@@ -10,7 +10,6 @@ report the same loss at every step.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

@@ -55,7 +55,8 @@ from pockjax.data import Batcher, DataError, evaluate_model, load_alpaca_jsonl, 
 from pockjax.io.atomic import atomic_directory, pid_alive, remove_stale_temporaries, write_json
 from pockjax.io.jsonfile import read_json_object
 from pockjax import quant
-from pockjax.adapters import add_adapters, expand_flat, has_adapters, merge as merge_adapters
+from pockjax.adapters import LoraTensor, add_adapters, expand_flat, has_adapters, merge as merge_adapters
+from pockjax.scheme import LORA_PARTS
 from pockjax.models import llama
 from pockjax.models.llama.mixed import LlamaWeights
 from pockjax.runtime.heap import process_rss_bytes, release_free_heap
@@ -71,6 +72,8 @@ __all__ = ["FinetuneConfig", "FinetuneError", "FinetuneResult", "finetune", "mak
 #: Files a finished output directory holds (``state/`` holds the resume state).
 OUTPUT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                 "scheme.json", "metrics.json", "metrics.csv", "run.json", "state")
+#: A LoRA run's adapters and their bases, for ``--resume`` (in ``state/``).
+ADAPTERS_FILE = "adapters.safetensors"
 #: The loss curve, also written where Matplotlib is installed (``pockjax[plot]``).
 PLOT_FILE = "loss.png"
 SCHEDULES = ("constant", "cosine", "linear")
@@ -292,8 +295,13 @@ def _recover(out: str) -> None:
 
 
 def write_output(out: str, *, model: Any, tokenizer: Any, scheme: pockjax.UpdateScheme,
-                 metrics: dict, run: dict, opt_state: Any, step: int, rng: Any) -> None:
+                 metrics: dict, run: dict, opt_state: Any, step: int, rng: Any,
+                 adapters: dict | None = None) -> None:
     """Writes a complete output directory atomically and durably.
+
+    ``model`` is what the directory holds for users (LoRA adapters merged);
+    ``adapters`` (``{path: LoraTensor}``) go to ``state/adapters.safetensors``,
+    base and factors, so that ``--resume`` continues the run exactly.
 
     Everything goes to a temporary sibling (``OUT.pockjax-tmp-PID-TAG``), is
     fsynced, and then takes the place of ``OUT`` (see
@@ -312,6 +320,12 @@ def write_output(out: str, *, model: Any, tokenizer: Any, scheme: pockjax.Update
         _json_dump(metrics, os.path.join(tmp, "metrics.json"))
         _write_curves(tmp, metrics, run)
         _json_dump(run, os.path.join(tmp, "run.json"))
+        if adapters:
+            from pockjax.io.safetensors import write_safetensors
+
+            write_safetensors(os.path.join(tmp, "state", ADAPTERS_FILE),
+                              {f"{path}.{part}": np.asarray(getattr(t, part)) for path, t in adapters.items()
+                               for part in LORA_PARTS})
         leaves = jax.tree.leaves(opt_state)
         np.savez(os.path.join(tmp, "state", "opt_state.npz"),
                  **{f"leaf_{i:04d}": np.asarray(x) for i, x in enumerate(leaves)})
@@ -351,6 +365,43 @@ def _write_curves(directory: str, metrics: dict, run: dict) -> bool:
     fig.tight_layout()
     save_figure(fig, os.path.join(directory, PLOT_FILE))
     return True
+
+
+def _restore_adapters(out: str, params: Any, scheme: pockjax.UpdateScheme) -> Any:
+    """``params`` (the run's merged weights) with each LoRA tensor rebuilt from ``state/adapters.safetensors``."""
+    from pockjax.io.safetensors import read_safetensors
+
+    path = os.path.join(out, "state", ADAPTERS_FILE)
+    try:
+        saved = read_safetensors(path)
+    except pockjax.PockjaxError as e:
+        raise FinetuneError(f"cannot resume from {out}: its LoRA adapters are unreadable ({e})") from None
+    flat = llama.flatten_params(params)
+    ruled = {p: rule for p in flat for rule in [scheme.rule_for(p)[0]] if isinstance(rule, pockjax.Lora)}
+    expected = {f"{p}.{part}" for p in ruled for part in LORA_PARTS}
+    if set(saved) != expected:
+        raise FinetuneError(f"cannot resume from {out}: {path} does not hold the adapters of the scheme"
+                            f" (missing {sorted(expected - set(saved))[:3]}, unexpected"
+                            f" {sorted(set(saved) - expected)[:3]})")
+    for p, rule in ruled.items():
+        base, a, b = (np.array(saved[f"{p}.{part}"]) for part in LORA_PARTS)
+        if base.shape != tuple(np.shape(flat[p])) or a.shape != base.shape[:-1] + (rule.rank,) \
+                or b.shape != base.shape[:-2] + (rule.rank, base.shape[-1]):
+            raise FinetuneError(f"cannot resume from {out}: the saved adapter of {p} does not fit the model"
+                                f" and the rule {rule}")
+        flat[p] = LoraTensor(jnp.asarray(base), jnp.asarray(a), jnp.asarray(b), scale=rule.scale)
+    return _with_flat(params, flat)
+
+
+def _with_flat(params: Any, flat: dict) -> Any:
+    """``params`` with its leaves (LoRA tensors and quantized tensors whole) replaced by ``flat``'s, by path."""
+    from pockjax.paths import keypath_to_parts
+
+    def visit(keypath, x):
+        return flat[".".join(keypath_to_parts(keypath))]
+
+    return jax.tree_util.tree_map_with_path(visit, params, is_leaf=lambda x: isinstance(x, LoraTensor)
+                                            or quant.is_qtensor(x))
 
 
 def _read_state(out: str) -> tuple[dict, list[np.ndarray]]:
@@ -686,11 +737,12 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     else:
         scheme = llama_scheme(cfg.scheme, model.config, blocks=cfg.blocks)
     graphdef, params = (model.graphdef, model.params) if isinstance(model, LlamaWeights) else llama.split(model)
-    if scheme.has_lora:
-        if cfg.resume:
-            raise FinetuneError(f"cannot resume {out}: it trains LoRA adapters ({scheme.name}), whose"
-                                " resume is not supported yet (the run saves the merged model); start a"
-                                " new run")
+    if scheme.has_lora and cfg.resume:
+        if mixed:
+            raise FinetuneError(f"cannot resume {out}: resuming LoRA adapters over --dtype {cfg.dtype} /"
+                                f" --quantize {cfg.quantize} weights is not supported yet; start a new run")
+        params = _restore_adapters(out, params, scheme)
+    elif scheme.has_lora:
         params = add_adapters(params, scheme, seed=cfg.seed)
     description = scheme.describe(quant.abstract(params))  # raises UnmatchedPatternError on a mismatch
     if description.trainable == 0:
@@ -841,7 +893,8 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         metrics["step"] = step
         write_output(out, model=_model_of(model, graphdef, params), tokenizer=tokenizer,
                      scheme=scheme, metrics=metrics, run=run, opt_state=opt_state,
-                     step=step, rng=rng)
+                     step=step, rng=rng, adapters={p: x for p, x in llama.flatten_params(params).items()
+                                                   if isinstance(x, LoraTensor)})
         last_saved[0] = step
 
     tokens_per_step = cfg.batch_size * batcher.seq_len
