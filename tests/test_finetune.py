@@ -1,6 +1,7 @@
 """pockjax.train: finetune() on a tiny random LLaMA, resume, atomic output, bad input, CLI."""
 
 import json
+import math
 import os
 
 import numpy as np
@@ -209,7 +210,7 @@ def test_schedule_clip_and_curves(tmp_path, tok):
     result = finetune(cfg(out=out, schedule="cosine", warmup=1, grad_clip=0.5), model=tiny_model(), tokenizer=tok,
                       log=lambda s: None)
     rows = [line.split(",") for line in open(os.path.join(out, "metrics.csv")).read().split()]
-    assert rows[0] == ["step", "loss", "lr"] and len(rows) == 5
+    assert rows[0] == ["step", "loss", "lr", "val_loss"] and len(rows) == 5
     assert [float(r[1]) for r in rows[1:]] == result.metrics["losses"]
     lrs = [float(r[2]) for r in rows[1:]]  # warm-up from 0 to the peak, then the cosine down
     assert lrs[0] == 0.0 and lrs[1] == pytest.approx(3e-4) and lrs[1] > lrs[2] > lrs[3] > 0
@@ -247,3 +248,16 @@ def test_lora_resume_equals_uninterrupted(tok, tmp_path):
     os.remove(os.path.join(out, "state", "adapters.safetensors"))
     with pytest.raises(FinetuneError, match="its LoRA adapters are unreadable"):
         finetune(cfg(out=out, resume=True, steps=6, **lora), log=lambda s: None)
+
+
+def test_held_out_loss_every_n_steps(tmp_path, tok):
+    out = str(tmp_path / "val")
+    lines = []
+    result = finetune(cfg(out=out, eval_every=2), model=tiny_model(), tokenizer=tok, log=lines.append)
+    steps = [s for s, _ in result.metrics["val_losses"]]
+    assert steps == [2, 4] and all(math.isfinite(v) and v > 0 for _, v in result.metrics["val_losses"])
+    assert any(line.startswith("step 2: loss") and "held-out loss" in line for line in lines)
+    rows = [line.split(",") for line in open(os.path.join(out, "metrics.csv")).read().split()]
+    assert rows[0][-1] == "val_loss" and rows[2][-1] == str(result.metrics["val_losses"][0][1]) and rows[1][-1] == ""
+    with pytest.raises(FinetuneError, match="--eval-examples is 0"):
+        finetune(cfg(eval_every=2, eval_examples=0), model=tiny_model(), tokenizer=tok, log=lambda s: None)

@@ -89,7 +89,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     fields = {k: getattr(args, k) for k in (
         "model", "task", "data", "scheme", "blocks", "optimizer", "lr", "steps", "batch_size",
         "seq_len", "seed", "eval_examples", "save_every", "out", "resume", "show", "dtype", "quantize",
-        "schedule", "warmup", "grad_clip")}
+        "schedule", "warmup", "grad_clip", "eval_every")}
     fields["mesh"] = mesh
     given = given_options(args)
     if {"mesh", "devices"} & given:  # --devices N is --mesh data=N: either one replaces the run's mesh
@@ -205,6 +205,8 @@ def register(subparsers) -> None:
                    help="updates of linear learning-rate warm-up from 0")
     p.add_argument("--grad-clip", type=positive_finite_float, default=None, action=StoreGiven, metavar="NORM",
                    help="clip the gradients to this global norm")
+    p.add_argument("--eval-every", type=non_negative_int, default=_D.eval_every, action=StoreGiven, metavar="N",
+                   help="every N steps, the loss on the held-out examples (0: never)")
     p.add_argument("--quantize", choices=tuple(QUANTIZE), default=_D.quantize, action=StoreGiven,
                    help="hold the frozen matrices block-quantized: int8 (Q8_0) or int4 (Q4_1; a GGUF"
                         " file's own Q4_0/Q4_1 blocks are kept as they are); dequantized per product"

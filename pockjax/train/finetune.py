@@ -147,6 +147,8 @@ class FinetuneConfig:
         (to 0 at the last step) or ``linear`` (to 0), after ``warmup``.
       warmup: Steps of linear warm-up from 0 to ``lr``.
       grad_clip: Clip the gradients to this global norm (None: no clipping).
+      eval_every: Every this many steps, the loss on the held-out examples
+        (``metrics.json``'s ``val_losses``, ``metrics.csv``'s ``val_loss``; 0: never).
     """
 
     model: str = "smollm2-135m"
@@ -174,6 +176,7 @@ class FinetuneConfig:
     schedule: str = "constant"
     warmup: int = 0
     grad_clip: float | None = None
+    eval_every: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -336,7 +339,7 @@ def write_output(out: str, *, model: Any, tokenizer: Any, scheme: pockjax.Update
 
 
 def _write_curves(directory: str, metrics: dict, run: dict) -> bool:
-    """``metrics.csv`` (step, loss, learning rate) and ``loss.png`` (the loss curve) of the run so far.
+    """``metrics.csv`` (step, loss, learning rate, held-out loss) and ``loss.png`` (the curves) of the run so far.
 
     Returns whether it drew ``loss.png`` (False: Matplotlib is not installed).
     """
@@ -347,7 +350,9 @@ def _write_curves(directory: str, metrics: dict, run: dict) -> bool:
     lr = run.get("effective", {}).get("lr", 0.0)
     rate = lr_schedule(lr, cfg.get("schedule", "constant"), int(cfg.get("warmup", 0) or 0),
                        int(cfg.get("steps", len(losses)) or 1))
-    rows = ["step,loss,lr"] + [f"{i + 1},{loss},{float(rate(i)):.6g}" for i, loss in enumerate(losses)]
+    held = {int(step): v for step, v in metrics.get("val_losses", [])}
+    rows = ["step,loss,lr,val_loss"] + [f"{i + 1},{loss},{float(rate(i)):.6g},{held.get(i + 1, '')}"
+                                        for i, loss in enumerate(losses)]
     write_text(os.path.join(directory, "metrics.csv"), "\n".join(rows) + "\n")
     try:
         import matplotlib
@@ -357,9 +362,12 @@ def _write_curves(directory: str, metrics: dict, run: dict) -> bool:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(losses) + 1), losses, lw=1.2)
+    ax.plot(range(1, len(losses) + 1), losses, lw=1.2, label="training")
+    if held:
+        ax.plot(list(held), list(held.values()), "o-", ms=3, lw=1.2, label="held-out")
+        ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss")
     ax.set_title(f"{metrics.get('scheme') or cfg.get('scheme', '')} on {cfg.get('task') or cfg.get('data')}")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -496,12 +504,12 @@ def _show(title: str, held, result, n: int, log) -> None:
 # -- the run -----------------------------------------------------------------------
 
 #: Fields that may change on ``--resume`` (see :data:`RESULT_FIELDS`).
-RESUME_MAY_CHANGE = ("steps", "save_every", "show", "progress", "eval_max_new_tokens", "mesh")
+RESUME_MAY_CHANGE = ("steps", "save_every", "show", "progress", "eval_max_new_tokens", "mesh", "eval_every")
 
 # The smallest value of each whole-number field (None allowed where the field defaults to None).
 _INT_MIN = {"steps": 1, "batch_size": 1, "seed": 0, "train_examples": 1, "eval_examples": 0,
             "show": 0, "save_every": 0, "blocks": 1, "seq_len": 1, "eval_max_new_tokens": 1,
-            "warmup": 0}
+            "warmup": 0, "eval_every": 0}
 
 
 def _flag(name: str) -> str:
@@ -525,6 +533,10 @@ def _validate(cfg: FinetuneConfig) -> None:
         c = cfg.grad_clip
         if isinstance(c, bool) or not isinstance(c, (int, float, np.floating)) or not (math.isfinite(c) and c > 0):
             raise FinetuneError(f"--grad-clip must be a finite number > 0, got {c!r}")
+    if cfg.eval_every and not cfg.eval_examples:
+        raise FinetuneError("--eval-every computes the loss on the held-out examples: --eval-examples is 0")
+    if cfg.eval_every and cfg.mesh:
+        raise FinetuneError("--eval-every runs on one device for now: leave out --mesh / --devices")
     if cfg.warmup and cfg.warmup >= cfg.steps:
         raise FinetuneError(f"--warmup {cfg.warmup} leaves no step at the full learning rate of a run of"
                             f" --steps {cfg.steps}; use a shorter warm-up")
@@ -897,6 +909,18 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
                                                    if isinstance(x, LoraTensor)})
         last_saved[0] = step
 
+    val_loss = val_batch = None
+    if cfg.eval_every:  # one batch of every held-out example, loss on its answers
+        held_batcher = Batcher(tokenizer, held, batch_size=len(held), seed=cfg.seed,
+                               max_seq_len=model.config.max_seq_len, truncate=True)
+        val_batch = {k: jnp.asarray(v) for k, v in held_batcher.batch(0).items()}
+
+        def held_loss(p, b, window=held_batcher.answer_window):
+            return llama.answer_loss(llama.merge(graphdef, p), b, window)
+
+        from pockjax.transforms.dequantize import quantized_jit
+
+        val_loss = quantized_jit(held_loss) if isinstance(model, LlamaWeights) else jax.jit(held_loss)
     tokens_per_step = cfg.batch_size * batcher.seq_len
     step_times: list[float] = []
     from tqdm.auto import tqdm
@@ -918,6 +942,14 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:.0f}",
                             rss=_gb(rss_bytes()), refresh=False)
             bar.update(1)
+            if val_loss is not None and (i + 1) % cfg.eval_every == 0:
+                v = round(float(val_loss(params, val_batch)), 5)
+                metrics.setdefault("val_losses", []).append([i + 1, v])
+                line = f"step {i + 1}: loss {loss:.4f}, held-out loss {v:.4f}"
+                if cfg.progress:
+                    bar.write(line, file=sys.stderr)
+                else:
+                    log(line)
             if on_step is not None:
                 on_step(i + 1, loss)
             if out and cfg.save_every and (i + 1) % cfg.save_every == 0 and i + 1 < cfg.steps:
