@@ -209,7 +209,7 @@ def resolve_scheme(name: str, config: Any, *, blocks: int | None = None,
       >>> resolve_scheme("nope", LlamaConfig.tiny())
       Traceback (most recent call last):
       ...
-      pockjax.errors.SchemeError: unknown scheme 'nope'; use one of full, paper, norm-only, channels or a path to a JSON scheme file
+      pockjax.errors.SchemeError: unknown scheme 'nope'; use one of full, paper, norm-only, channels, lora or a path to a JSON scheme file
     """
     if _key(name) in schemes(family_of(config)) or not (os.path.exists(name) or name.endswith(".json")):
         return get_scheme(name, config, blocks=blocks, fraction=fraction)

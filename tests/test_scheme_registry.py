@@ -46,7 +46,7 @@ def paper_paths(config, blocks) -> set[str]:
 
 
 def test_registry_names_and_depth_rule():
-    assert scheme_names() == ("full", "paper", "norm-only", "channels")
+    assert scheme_names() == ("full", "paper", "norm-only", "channels", "lora")
     assert tuple(SCHEMES) == scheme_names()  # pockjax.train.schemes shows the registry
     assert DEFAULT_BLOCKS == 10
     assert [paper_blocks(n) for n in (1, 2, 10, 24, 30, 32, 40, 80)] == [1, 2, 10, 10, 10, 11, 14, 27]
