@@ -123,6 +123,7 @@ def test_mixed_lora_and_channels_scheme_trains_merges_and_exports(tiny, tmp_path
     for _ in range(4):
         p, state, loss = step(p, state, batch)
     adapted = np.asarray(nnx.merge(graphdef, p)(TOKENS))
+    assert pockjax.leaf_paths(scheme.merge(p)) == pockjax.leaf_paths(params)  # the model's own tree again
     merged = nnx.merge(graphdef, scheme.merge(p))
     np.testing.assert_allclose(np.asarray(merged(TOKENS)), adapted, atol=1e-4)
     path = str(tmp_path / "tuned.gguf")
