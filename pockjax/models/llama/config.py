@@ -7,7 +7,10 @@ from typing import Any
 
 
 #: The architectures :class:`LlamaConfig` describes.
-ARCHS = ("llama", "qwen2")
+ARCHS = ("llama", "qwen2", "gemma3")
+
+#: The two kinds of attention layer of a Gemma 3 model (Hugging Face's ``layer_types`` names).
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +42,19 @@ class LlamaConfig:
           (each frequency divided by its f_i, as GGUF's ``rope_freqs``).
           See :func:`rope_freq_factors`.
         arch: The architecture the weights come from and export to:
-          ``llama`` or ``qwen2`` (LLaMA with Q/K/V biases; no row permutation
-          of Q and K in GGUF).
+          ``llama``, ``qwen2`` (LLaMA with Q/K/V biases; no row permutation
+          of Q and K in GGUF) or ``gemma3`` (Gemma 3 text models: RMSNorm
+          after attention and after the MLP too, RMSNorm of each query and
+          key head, GeGLU with tanh-approximated GELU, embeddings scaled by
+          ``sqrt(dim)``, sliding-window layers; see :mod:`.model`).
+        layer_types: Gemma 3: the attention of each layer, ``"full_attention"``
+          or ``"sliding_attention"`` (``n_layers`` entries); ``None``: all full.
+        sliding_window: Gemma 3: a sliding-attention query at slot ``t`` sees
+          the keys at slots ``t - sliding_window + 1 .. t``.
+        rope_local_theta: Gemma 3: the RoPE base of the sliding-attention
+          layers (``rope_theta`` is the full-attention layers' base).
+        query_pre_attn_scalar: Gemma 3: attention scores are divided by its
+          square root (``None``: by ``sqrt(head_dim)``, as LLaMA).
         attn_block_rows: Causal self-attention over ``t`` tokens runs in query
             blocks of at least this many rows, each attending only to the keys
             up to its end, which skips the masked part of the attention
@@ -71,8 +85,26 @@ class LlamaConfig:
     qkv_bias: bool = False
     arch: str = "llama"
     rope_scaling: tuple | None = None
+    layer_types: tuple | None = None
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
 
     def __post_init__(self):
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))  # a JSON list reads back
+            if len(self.layer_types) != self.n_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise ValueError(f"layer_types={self.layer_types!r}: expected {self.n_layers} entries"
+                                 f" (one per layer), each one of {', '.join(LAYER_TYPES)}")
+        gemma_only = {"layer_types": self.layer_types, "sliding_window": self.sliding_window,
+                      "rope_local_theta": self.rope_local_theta,
+                      "query_pre_attn_scalar": self.query_pre_attn_scalar}
+        if self.arch != "gemma3" and any(v is not None for v in gemma_only.values()):
+            given = sorted(k for k, v in gemma_only.items() if v is not None)
+            raise ValueError(f"{', '.join(given)}: Gemma 3 fields, but arch={self.arch!r}")
+        if self.is_sliding(*range(self.n_layers)) and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(f"sliding_window={self.sliding_window!r}: sliding-attention layers need a"
+                             f" window of at least 1 token")
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))  # a JSON list reads back
             kind = self.rope_scaling[0] if self.rope_scaling else None
@@ -105,6 +137,19 @@ class LlamaConfig:
             64
         """
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    def is_sliding(self, *layers: int) -> bool:
+        """Whether any of the given layers attends in a sliding window (Gemma 3).
+
+        Example:
+            >>> cfg = LlamaConfig.tiny_gemma3()
+            >>> cfg.layer_types
+            ('sliding_attention', 'full_attention', 'sliding_attention', 'full_attention')
+            >>> cfg.is_sliding(0), cfg.is_sliding(1), cfg.is_sliding(1, 2)
+            (True, False, True)
+        """
+        return self.layer_types is not None and any(
+            self.layer_types[i] == "sliding_attention" for i in layers)
 
     def replace(self, **changes: Any) -> "LlamaConfig":
         """Returns a copy with some fields changed.
@@ -150,6 +195,8 @@ class LlamaConfig:
         attn += hd * (self.n_heads + 2 * self.n_kv_heads) if self.qkv_bias else 0
         mlp = 3 * self.dim * self.hidden_dim
         per_layer = attn + mlp + 2 * self.dim
+        if self.arch == "gemma3":  # norms after attention and MLP, and of each query / key head
+            per_layer += 2 * self.dim + 2 * hd
         head = 0 if self.tie_embeddings else self.vocab * self.dim
         return self.vocab * self.dim + self.n_layers * per_layer + self.dim + head
 
@@ -177,6 +224,37 @@ class LlamaConfig:
         base = cls(vocab=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
                               hidden_dim=11008, rope_theta=10000.0, rms_eps=1e-5,
                               tie_embeddings=False, max_seq_len=4096)
+        return base.replace(**overrides)
+
+    @classmethod
+    def gemma3_270m(cls, **overrides: Any) -> "LlamaConfig":
+        """Gemma 3 270M: 18 layers (every 6th one full attention), width 640, head width 256.
+
+        Example:
+            >>> cfg = LlamaConfig.gemma3_270m()
+            >>> cfg.num_params(), cfg.layer_types.count("full_attention")
+            (268098176, 3)
+        """
+        types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18))
+        base = cls(vocab=262144, dim=640, n_layers=18, n_heads=4, n_kv_heads=1, hidden_dim=2048,
+                   rope_theta=1000000.0, rms_eps=1e-6, tie_embeddings=True, max_seq_len=32768,
+                   head_dim=256, arch="gemma3", layer_types=types, sliding_window=512,
+                   rope_local_theta=10000.0, query_pre_attn_scalar=256.0)
+        return base.replace(**overrides)
+
+    @classmethod
+    def tiny_gemma3(cls, **overrides: Any) -> "LlamaConfig":
+        """A tiny Gemma 3 model for tests: 4 layers alternating sliding (window 3) and full attention.
+
+        Example:
+            >>> LlamaConfig.tiny_gemma3().head_dim_
+            32
+        """
+        base = cls(vocab=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=96,
+                   rope_theta=1000000.0, rms_eps=1e-6, tie_embeddings=True, max_seq_len=64,
+                   head_dim=32, arch="gemma3", sliding_window=3, rope_local_theta=10000.0,
+                   query_pre_attn_scalar=24.0,
+                   layer_types=("sliding_attention", "full_attention") * 2)
         return base.replace(**overrides)
 
     @classmethod

@@ -37,8 +37,9 @@ __all__ = [
 
 
 # (block size in values, bytes per block) of each block-quantized type.
-_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), **KQUANT_BLOCKS}
-SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", *KQUANT_BLOCKS)
+_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+           **KQUANT_BLOCKS}
+SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", *KQUANT_BLOCKS)
 
 
 def _f16(col: np.ndarray) -> np.ndarray:
@@ -68,8 +69,25 @@ def _dequant_q4_1(blocks: np.ndarray) -> np.ndarray:
     return d * _nibbles(blocks[:, 4:]) + m
 
 
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    # Q5_0 / Q5_1: bit j of the little-endian uint32 qh is the fifth bit of value j.
+    bits = np.ascontiguousarray(qh).view("<u4")
+    return (((bits >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.float32)
+
+
+def _dequant_q5_0(blocks: np.ndarray) -> np.ndarray:
+    d = _f16(blocks[:, 0:2])
+    return d * (_nibbles(blocks[:, 6:]) + _fifth_bits(blocks[:, 2:6]) - 16.0)
+
+
+def _dequant_q5_1(blocks: np.ndarray) -> np.ndarray:
+    d, m = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    return d * (_nibbles(blocks[:, 8:]) + _fifth_bits(blocks[:, 4:8])) + m
+
+
 _BLOCK_DEQUANT: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "Q8_0": _dequant_q8_0, "Q4_0": _dequant_q4_0, "Q4_1": _dequant_q4_1, **KQUANT_DEQUANTIZERS,
+    "Q8_0": _dequant_q8_0, "Q4_0": _dequant_q4_0, "Q4_1": _dequant_q4_1,
+    "Q5_0": _dequant_q5_0, "Q5_1": _dequant_q5_1, **KQUANT_DEQUANTIZERS,
 }
 
 
@@ -166,7 +184,7 @@ def gguf_config(reader: GGUFFile, **overrides: Any) -> LlamaConfig:
     if arch not in ARCHS:
         raise UnsupportedModelError(
             f"{path}: GGUF architecture {arch!r} is not supported; pockjax loads"
-            f" {', '.join(repr(a) for a in ARCHS)} architecture files (LLaMA, SmolLM, TinyLlama, Qwen2, ...)")
+            f" {', '.join(repr(a) for a in ARCHS)} architecture files (LLaMA, SmolLM, TinyLlama, Qwen2, Gemma 3, ...)")
     names = {t.name for t in reader.tensors}
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", None):
@@ -205,6 +223,8 @@ def gguf_config(reader: GGUFFile, **overrides: Any) -> LlamaConfig:
     )
     if arch == "qwen2":
         cfg = cfg.replace(arch="qwen2", qkv_bias=True)
+    if arch == "gemma3":
+        cfg = _gemma3_fields(reader, cfg)
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:  # Llama 3's scaling, as llama.cpp stores it: a divisor per frequency
         try:
@@ -215,6 +235,51 @@ def gguf_config(reader: GGUFFile, **overrides: Any) -> LlamaConfig:
             raise GGUFError(f"{path}: rope_freqs.weight must hold {cfg.head_dim_ // 2} positive factors")
         cfg = cfg.replace(rope_scaling=("factors",) + tuple(float(f) for f in factors))
     return cfg.replace(**overrides)
+
+
+# llama.cpp's Gemma 3 layer pattern (set_swa_pattern(6)): every 6th layer attends to all keys.
+GEMMA3_GLOBAL_EVERY = 6
+# llama.cpp's RoPE base of Gemma 3's sliding-window layers when the file has no gemma3.rope.freq_base_swa.
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+
+
+def _gemma3_fields(reader: GGUFFile, cfg: LlamaConfig) -> LlamaConfig:
+    """The Gemma 3 fields of a ``gemma3`` file's config, as llama.cpp reads them.
+
+    The file holds no layer pattern, query scale or (in files from llama.cpp's
+    converter so far) local RoPE base: llama.cpp fixes them for the
+    architecture, and so does this: every 6th layer full attention, the
+    others a ``gemma3.attention.sliding_window`` window with RoPE base
+    ``gemma3.rope.freq_base_swa`` (default 10000), scores scaled by
+    ``1 / sqrt(head_dim)`` (``1 / sqrt(dim / n_heads)`` for the 62-layer 27B).
+    """
+    path = reader.path
+    for key in ("gemma3.final_logit_softcapping", "gemma3.attn_logit_softcapping"):
+        if reader.get(key) is not None:
+            raise UnsupportedModelError(f"{path}: {key} = {reader.get(key)!r}: logit soft-capping is not"
+                                        f" supported (Gemma 3 has none; Gemma 2 files are not loaded)")
+    window = _field(reader, "gemma3.attention.sliding_window")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise GGUFError(f"{path}: metadata key 'gemma3.attention.sliding_window' must be a positive"
+                        f" integer, got {window!r}")
+    local_base = _field(reader, "gemma3.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)
+    if isinstance(local_base, bool) or not isinstance(local_base, (int, float)) or not local_base > 0:
+        raise GGUFError(f"{path}: gemma3.rope.freq_base_swa must be a positive number, got {local_base!r}")
+    types = tuple("full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
+                  for i in range(cfg.n_layers))
+    scalar = cfg.dim // cfg.n_heads if cfg.n_layers == 62 else cfg.head_dim_
+    try:
+        return cfg.replace(arch="gemma3", layer_types=types, sliding_window=window,
+                           rope_local_theta=float(local_base), query_pre_attn_scalar=float(scalar))
+    except ValueError as e:
+        raise GGUFError(f"{path}: inconsistent model config ({e})") from None
+
+
+# Gemma 3's extra norms (llama.cpp's names; each stores 1 + w, as pockjax does).
+_GEMMA3_TENSORS = {
+    "attn_q_norm": "attn.q_norm.scale", "attn_k_norm": "attn.k_norm.scale",
+    "post_attention_norm": "post_attn_norm.scale", "post_ffw_norm": "post_mlp_norm.scale",
+}
 
 
 def _target(path: str, name: str, cfg: LlamaConfig
@@ -251,6 +316,8 @@ def _target(path: str, name: str, cfg: LlamaConfig
             "ffn_up": ("mlp.w3.kernel", lambda w: w.T),
             "ffn_down": ("mlp.w2.kernel", lambda w: w.T),
         }
+        if cfg.arch == "gemma3":
+            per_block.update({k: (v, lambda w: w) for k, v in _GEMMA3_TENSORS.items()})
         if kind in per_block and i < cfg.n_layers:
             path, fn = per_block[kind]
             return f"layers.{i}.{path}", fn

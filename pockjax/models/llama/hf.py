@@ -47,7 +47,9 @@ def hf_config(config_json: dict[str, Any], source: str = "config.json",
     """
     c = config_json
     arch = c.get("model_type")
-    if arch not in ARCHS:
+    if arch == "gemma3_text":
+        return _gemma3_config(c, source, **overrides)
+    if arch not in ARCHS or arch == "gemma3":
         raise UnsupportedModelError(
             f"{source}: model_type {arch!r} is not supported; pockjax loads"
             f" {' and '.join(repr(a) for a in ARCHS)} checkpoints (architectures {c.get('architectures')})")
@@ -101,6 +103,67 @@ def hf_config(config_json: dict[str, Any], source: str = "config.json",
     if rope_scaling is not None:
         cfg = cfg.replace(rope_scaling=rope_scaling)
     return cfg.replace(**overrides)
+
+
+def _gemma3_config(c: dict[str, Any], source: str, **overrides: Any) -> LlamaConfig:
+    """:func:`hf_config` of a Gemma 3 text model (``model_type == "gemma3_text"``)."""
+    for key, allowed in (("final_logit_softcapping", None), ("attn_logit_softcapping", None),
+                         ("attention_bias", False), ("use_bidirectional_attention", False),
+                         ("hidden_activation", "gelu_pytorch_tanh")):
+        if c.get(key, allowed) not in (allowed, None if allowed is False else allowed):
+            raise UnsupportedModelError(f"{source}: Gemma 3 with {key}={c[key]!r} is not supported"
+                                        f" (pockjax builds {key}={allowed!r})")
+    rope = c.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{source}: rope_parameters must be an object")
+    full = rope.get("full_attention") or {"rope_theta": c.get("rope_theta", 1000000.0),
+                                          **(c.get("rope_scaling") or {})}
+    local = rope.get("sliding_attention") or {"rope_theta": c.get("rope_local_base_freq", 10000.0)}
+    for kind, params in (("full_attention", full), ("sliding_attention", local)):
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise UnsupportedModelError(f"{source}: RoPE scaling {rope_type!r} of the {kind} layers is not"
+                                        f" supported (Gemma 3 270M and 1B have none)")
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size", "head_dim") if k not in c]
+    if missing:
+        raise CheckpointError(f"{source}: missing {', '.join(missing)}")
+    n_layers = c["num_hidden_layers"]
+    types = c.get("layer_types")
+    if types is None:
+        pattern = c.get("sliding_window_pattern", c.get("_sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    tie = c.get("tie_word_embeddings", True)
+    if tie is not True:
+        raise UnsupportedModelError(f"{source}: Gemma 3 with untied embeddings is not supported")
+    return config_from_fields(
+        source, CheckpointError,
+        vocab=c["vocab_size"], dim=c["hidden_size"], n_layers=n_layers,
+        n_heads=c["num_attention_heads"], n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+        hidden_dim=c["intermediate_size"], rope_theta=full.get("rope_theta", 1000000.0),
+        rms_eps=c.get("rms_norm_eps", 1e-6), tie_embeddings=True,
+        max_seq_len=c.get("max_position_embeddings", 32768), head_dim=c["head_dim"], arch="gemma3",
+        layer_types=tuple(types), sliding_window=c.get("sliding_window", 4096),
+        rope_local_theta=local.get("rope_theta", 10000.0),
+        query_pre_attn_scalar=float(c.get("query_pre_attn_scalar", 256)),
+    ).replace(**overrides)
+
+
+# Gemma 3's names, where they differ from LLaMA's (each norm scale is 1 + the file's weight).
+_GEMMA3_NAMES = {
+    "post_attention_layernorm.weight": ("post_attn_norm.scale", False),
+    "pre_feedforward_layernorm.weight": ("mlp_norm.scale", False),
+    "post_feedforward_layernorm.weight": ("post_mlp_norm.scale", False),
+    "self_attn.q_norm.weight": ("attn.q_norm.scale", False),
+    "self_attn.k_norm.weight": ("attn.k_norm.scale", False),
+}
+
+
+def _hf_names(cfg: LlamaConfig) -> dict[str, tuple[str, bool]]:
+    """Hugging Face layer tensor name -> (pockjax path below ``layers.N``, transposed)."""
+    if cfg.arch == "gemma3":
+        return {**{k: v for k, v in _HF_NAMES.items() if "bias" not in k}, **_GEMMA3_NAMES}
+    return _HF_NAMES
 
 
 _HF_NAMES = {
@@ -164,6 +227,7 @@ def read_hf_checkpoint(path: str | os.PathLike, **config_overrides: Any
                 raise CheckpointError(f"tensor {name!r} is in both {origin[name]} and {fn}")
             tensors[name], origin[name] = arr, fn
     params: dict[str, np.ndarray] = {}
+    names = _hf_names(cfg)
     for name, arr in tensors.items():
         where = f"{origin[name]}: tensor {name!r}"
         if name.endswith("rotary_emb.inv_freq"):
@@ -180,10 +244,10 @@ def read_hf_checkpoint(path: str | os.PathLike, **config_overrides: Any
             target, transpose = "lm_head.kernel", True
         elif name.startswith("model.layers."):
             idx, _, leaf = name[len("model.layers."):].partition(".")
-            if leaf not in _HF_NAMES or not idx.isdigit() or int(idx) >= cfg.n_layers:
-                raise UnsupportedModelError(f"{where} is unexpected in a LLaMA checkpoint"
+            if leaf not in names or not idx.isdigit() or int(idx) >= cfg.n_layers:
+                raise UnsupportedModelError(f"{where} is unexpected in a {cfg.arch} checkpoint"
                                             f" of {cfg.n_layers} layers")
-            target, transpose = _HF_NAMES[leaf]
+            target, transpose = names[leaf]
             target = f"layers.{int(idx)}.{target}"
         else:
             raise UnsupportedModelError(f"{where} is unexpected in a LLaMA checkpoint")
@@ -192,6 +256,8 @@ def read_hf_checkpoint(path: str | os.PathLike, **config_overrides: Any
         if transpose and arr.ndim != 2:
             raise CheckpointError(f"{where} has shape {arr.shape}; expected a matrix")
         params[target] = arr.T if transpose else arr
+        if cfg.arch == "gemma3" and target.endswith("norm.scale"):
+            params[target] = np.asarray(arr, np.float32) + np.float32(1)
     check_params(path, cfg, params, CheckpointError)
     return cfg, params
 
@@ -271,7 +337,10 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike, *, dtype: Any = np.f
             else:
                 unstacked[k] = v
         flat = unstacked
-    inverse = {target: (leaf, t) for leaf, (target, t) in _HF_NAMES.items()}
+    inverse = {target: (leaf, t) for leaf, (target, t) in _hf_names(cfg).items()}
+    if cfg.arch == "gemma3":  # Hugging Face stores w of Gemma's (1 + w) norms
+        flat = {k: np.asarray(v, np.float32) - np.float32(1) if k.endswith("norm.scale") else v
+                for k, v in flat.items()}
     tensors = {"model.embed_tokens.weight": whole(flat["embed.embedding"]),
                "model.norm.weight": whole(flat["norm.scale"])}
     if not cfg.tie_embeddings:
@@ -312,4 +381,17 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike, *, dtype: Any = np.f
     if qwen:
         config_json.pop("attention_bias"), config_json.pop("mlp_bias")
         config_json["use_sliding_window"] = False
+    if cfg.arch == "gemma3":
+        config_json.pop("mlp_bias"), config_json.pop("rope_theta")
+        config_json.update({
+            "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
+            "layer_types": list(cfg.layer_types or ["full_attention"] * cfg.n_layers),
+            "sliding_window": cfg.sliding_window or cfg.max_seq_len,
+            "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim_,
+            "final_logit_softcapping": None, "attn_logit_softcapping": None,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                "sliding_attention": {"rope_type": "default",
+                                      "rope_theta": cfg.rope_local_theta or cfg.rope_theta}}})
     write_json(os.path.join(path, "config.json"), config_json, indent=2)

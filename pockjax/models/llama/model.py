@@ -16,6 +16,16 @@ Parameters flatten to readable dotted paths, which is what
     layers.3.mlp.w3.kernel              (dim, hidden)   up projection
     layers.3.mlp.w2.kernel              (hidden, dim)   down projection
     norm.scale                          (dim,)
+
+Gemma 3 (``config.arch == "gemma3"``) blocks also have::
+
+    layers.3.attn.q_norm.scale          (head_dim,)     RMSNorm of each query head
+    layers.3.attn.k_norm.scale          (head_dim,)     RMSNorm of each key head
+    layers.3.post_attn_norm.scale       (dim,)          on the attention output
+    layers.3.post_mlp_norm.scale        (dim,)          on the MLP output
+
+and ``mlp_norm`` is Hugging Face's ``pre_feedforward_layernorm``. Every Gemma
+norm scale is stored as ``1 + w`` (Hugging Face stores ``w``).
     lm_head.kernel                      (dim, vocab)    untied models only
 
 With ``config.scan_layers`` the blocks are stacked: ``layers.attn.wq.kernel``
@@ -143,13 +153,15 @@ def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def causal_mask(query_slots: jax.Array, key_valid: jax.Array) -> jax.Array:
+def causal_mask(query_slots: jax.Array, key_valid: jax.Array, window: int | None = None) -> jax.Array:
     """Boolean attention mask: key ``s`` is visible from query slot ``t`` if
     ``s <= t`` and key ``s`` is a real (non-padding) token.
 
     Args:
       query_slots: Slot index of each query, shape ``(batch, seq)`` or ``(seq,)``.
       key_valid: Validity of each key slot, bool ``(batch, n_keys)``.
+      window: Sliding window (Gemma 3's local layers): only the keys with
+        ``t - s < window`` are visible. ``None``: no window.
 
     Returns:
       Bool array of shape ``(batch, seq, n_keys)``.
@@ -158,10 +170,15 @@ def causal_mask(query_slots: jax.Array, key_valid: jax.Array) -> jax.Array:
       >>> m = causal_mask(jnp.arange(3), jnp.array([[False, True, True]]))
       >>> m.astype(int)[0].tolist()
       [[0, 0, 0], [0, 1, 0], [0, 1, 1]]
+      >>> causal_mask(jnp.arange(3), jnp.ones((1, 3), bool), window=2).astype(int)[0].tolist()
+      [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
     """
     query_slots = jnp.broadcast_to(query_slots, key_valid.shape[:1] + query_slots.shape[-1:])
     key_slots = jnp.arange(key_valid.shape[-1])
-    return (key_slots[None, None, :] <= query_slots[:, :, None]) & key_valid[:, None, :]
+    visible = (key_slots[None, None, :] <= query_slots[:, :, None]) & key_valid[:, None, :]
+    if window is not None:
+        visible &= query_slots[:, :, None] - key_slots[None, None, :] < window
+    return visible
 
 
 def causal_query_blocks(t: int, min_rows: int | None = 64) -> int:
@@ -190,13 +207,15 @@ def causal_query_blocks(t: int, min_rows: int | None = 64) -> int:
     return 1
 
 
-def _attend(qh: jax.Array, kh: jax.Array, vh: jax.Array, mask: jax.Array, groups: int) -> jax.Array:
+def _attend(qh: jax.Array, kh: jax.Array, vh: jax.Array, mask: jax.Array, groups: int,
+            scale_sq: float | None = None) -> jax.Array:
     # qh: (b, kv, groups * t, hd), the query heads of each kv head stacked as
     # rows; kh, vh: (b, kv, s, hd); mask: bool (b, t, s) -> (b, kv, groups * t, hd).
+    # The scores are divided by sqrt(scale_sq), default the head width.
     b, kv, gt, hd = qh.shape
     t, s_len = gt // groups, kh.shape[2]
     scores = jnp.einsum("bkrd,bksd->bkrs", qh, kh,
-                        preferred_element_type=jnp.float32) / math.sqrt(hd)
+                        preferred_element_type=jnp.float32) / math.sqrt(scale_sq or hd)
     # The mask enters as an additive bias (0 or the float32 minimum): the
     # forward is the same as a select (min + score rounds to min), and the
     # backward needs no mask at all (masked probabilities are exactly 0).
@@ -208,6 +227,9 @@ def _attend(qh: jax.Array, kh: jax.Array, vh: jax.Array, mask: jax.Array, groups
 
 class RMSNorm(nnx.Module):
     """Root-mean-square layer norm with a learned ``scale`` (computed in float32).
+
+    Gemma's norms multiply by ``1 + w`` and store ``w``; pockjax stores their
+    ``scale = 1 + w`` (as GGUF files do), so one norm serves both.
 
     Example:
       >>> y = RMSNorm(4, 1e-6)(jnp.array([[2.0, -2.0, 2.0, -2.0]]))
@@ -252,6 +274,10 @@ class Attention(nnx.Module):
         self.wk = _linear(config.dim, config.n_kv_heads * hd, rngs, dtype, param_dtype, bias=bias)
         self.wv = _linear(config.dim, config.n_kv_heads * hd, rngs, dtype, param_dtype, bias=bias)
         self.wo = _linear(config.n_heads * hd, config.dim, rngs, dtype, param_dtype)
+        self.scale_sq = config.query_pre_attn_scalar
+        if config.arch == "gemma3":  # RMSNorm of every query and key head, before RoPE
+            self.q_norm = RMSNorm(hd, config.rms_eps, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(hd, config.rms_eps, param_dtype=param_dtype)
 
     def __call__(self, x, cos, sin, mask, cache=None, cache_index=None, query_rows=None,
                  query_blocks=1):
@@ -269,6 +295,8 @@ class Attention(nnx.Module):
         q = self.wq(xq).reshape(b, t, self.n_heads, hd)
         k = self.wk(x).reshape(b, s, kv, hd)
         v = self.wv(x).reshape(b, s, kv, hd)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q = _apply_rope(q, q_cos, q_sin)
         k = _apply_rope(k, cos, sin)
         new_cache = None
@@ -301,27 +329,37 @@ class Attention(nnx.Module):
             # one block of a cache or query_rows step, attends to every key.
             keys = k.shape[1] - (nb - 1 - j) * rows
             outs.append(_attend(qh[:, :, j], kh[:, :, :keys], vh[:, :, :keys],
-                                mask[:, j * rows:(j + 1) * rows, :keys], groups))
+                                mask[:, j * rows:(j + 1) * rows, :keys], groups, self.scale_sq))
         out = (jnp.stack(outs, axis=2).reshape(b, kv, nb, groups, rows, hd).transpose(0, 2, 4, 1, 3, 5)
                .reshape(b, t, self.n_heads * hd))
         return self.wo(out), new_cache
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: ``w2(silu(w1(x)) * w3(x))`` (w1 gate, w3 up, w2 down)."""
+    """SwiGLU feed-forward: ``w2(silu(w1(x)) * w3(x))`` (w1 gate, w3 up, w2 down).
+
+    Gemma 3's GeGLU uses the tanh-approximated GELU in place of SiLU.
+    """
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any = None,
                  param_dtype: Any = jnp.float32):
         self.w1 = _linear(config.dim, config.hidden_dim, rngs, dtype, param_dtype)
         self.w3 = _linear(config.dim, config.hidden_dim, rngs, dtype, param_dtype)
         self.w2 = _linear(config.hidden_dim, config.dim, rngs, dtype, param_dtype)
+        self.gelu = config.arch == "gemma3"
 
     def __call__(self, x):
-        return self.w2(jax.nn.silu(self.w1(x)) * self.w3(x))
+        gate = self.w1(x)
+        act = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
+        return self.w2(act * self.w3(x))
 
 
 class Block(nnx.Module):
-    """One pre-norm transformer block: attention then SwiGLU, each with a residual."""
+    """One pre-norm transformer block: attention then SwiGLU, each with a residual.
+
+    Gemma 3 also normalises the attention output (``post_attn_norm``) and the
+    MLP output (``post_mlp_norm``) before each residual add.
+    """
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any = None,
                  param_dtype: Any = jnp.float32):
@@ -329,6 +367,9 @@ class Block(nnx.Module):
         self.attn = Attention(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.mlp_norm = RMSNorm(config.dim, config.rms_eps, param_dtype=param_dtype)
         self.mlp = MLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        if config.arch == "gemma3":
+            self.post_attn_norm = RMSNorm(config.dim, config.rms_eps, param_dtype=param_dtype)
+            self.post_mlp_norm = RMSNorm(config.dim, config.rms_eps, param_dtype=param_dtype)
 
     def __call__(self, x, cos, sin, mask, cache=None, cache_index=None, query_rows=None,
                  query_blocks=1):
@@ -341,8 +382,10 @@ class Block(nnx.Module):
                                  query_blocks)
         if query_rows is not None:
             x = _at_rows(x, query_rows)
-        x = x + h
-        x = x + self.mlp(self.mlp_norm(x))
+        post = hasattr(self, "post_attn_norm")
+        x = x + (self.post_attn_norm(h) if post else h)
+        h = self.mlp(self.mlp_norm(x))
+        x = x + (self.post_mlp_norm(h) if post else h)
         return x, new_cache
 
 
@@ -388,41 +431,67 @@ class Llama(nnx.Module):
 
     # -- pieces -----------------------------------------------------------------
 
-    def _layers(self, x, cos, sin, mask, cache, cache_index, query_rows=None, query_blocks=1):
+    def _layers(self, x, cos, sin, mask, cache, cache_index, query_rows=None, query_blocks=1,
+                local=None):
         # query_blocks: see Attention (only with mask = causal_mask(arange(t), ...)).
+        # local: (cos, sin, mask) of the sliding-attention layers (Gemma 3), or None.
+        def at(i):  # the rotary tables and mask of layer i
+            return local if local is not None and self.config.is_sliding(i) else (cos, sin, mask)
+
+        n = self.config.n_layers
         if query_rows is not None:
             # Every block but the last runs on all rows (their keys and values
             # feed the last block's attention); the last one only on query_rows.
             if self.config.scan_layers:
-                x, _ = self._layers(x, cos, sin, mask, None, None, query_blocks=query_blocks)
+                x, _ = self._layers(x, cos, sin, mask, None, None, query_blocks=query_blocks, local=local)
                 return _at_rows(x, query_rows), None
-            for block in list(self.layers)[:-1]:
-                x, _ = block(x, cos, sin, mask, query_blocks=query_blocks)
-            rows_mask = _at_rows(mask, query_rows)
-            x, _ = self.layers[len(self.layers) - 1](x, cos, sin, rows_mask, query_rows=query_rows)
+            for i, block in enumerate(list(self.layers)[:-1]):
+                x, _ = block(x, *at(i), query_blocks=query_blocks)
+            last_cos, last_sin, last_mask = at(n - 1)
+            x, _ = self.layers[n - 1](x, last_cos, last_sin, _at_rows(last_mask, query_rows),
+                                      query_rows=query_rows)
             return x, None
         if self.config.scan_layers:
             graphdef, state = nnx.split(self.layers)
+            sliding = jnp.asarray([self.config.is_sliding(i) for i in range(n)])
 
             def body(h, xs):
-                layer_state, layer_cache = xs
+                layer_state, layer_cache, is_sliding = xs
                 block = nnx.merge(graphdef, layer_state)
-                h, layer_cache = block(h, cos, sin, mask, layer_cache, cache_index,
+                tables = (cos, sin, mask) if local is None else tuple(
+                    jnp.where(is_sliding, a, b) for a, b in zip(local, (cos, sin, mask)))
+                h, layer_cache = block(h, *tables, layer_cache, cache_index,
                                        query_blocks=query_blocks)
                 return h, layer_cache
 
-            x, new_cache = jax.lax.scan(body, x, (state, cache))
+            x, new_cache = jax.lax.scan(body, x, (state, cache, sliding))
             return x, new_cache
         new_k, new_v = [], []
         for i, block in enumerate(self.layers):
             layer_cache = None if cache is None else (cache[0][i], cache[1][i])
-            x, layer_cache = block(x, cos, sin, mask, layer_cache, cache_index,
+            x, layer_cache = block(x, *at(i), layer_cache, cache_index,
                                    query_blocks=query_blocks)
             if layer_cache is not None:
                 new_k.append(layer_cache[0])
                 new_v.append(layer_cache[1])
         new_cache = None if cache is None else (jnp.stack(new_k), jnp.stack(new_v))
         return x, new_cache
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """The input embeddings of ``tokens``; Gemma 3 scales them by ``sqrt(dim)``.
+
+        The scale is rounded to the embedding's dtype first, as Hugging Face does.
+
+        Example:
+          >>> model = Llama(LlamaConfig.tiny_gemma3(), rngs=nnx.Rngs(0))
+          >>> e = model.embed_tokens(jnp.array([[3]]))
+          >>> bool(jnp.allclose(e, model.embed.embedding[3] * 8.0))
+          True
+        """
+        x = self.embed(tokens)
+        if self.config.arch == "gemma3":
+            x = x * jnp.asarray(math.sqrt(self.config.dim), x.dtype)
+        return x
 
     def logits_from_hidden(self, h: jax.Array) -> jax.Array:
         """Final norm and output projection: hidden states -> float32 logits.
@@ -472,27 +541,34 @@ class Llama(nnx.Module):
           True
         """
         b, t = tokens.shape
+        cfg = self.config
         if mask is None:
             key_valid = jnp.ones((b, t), bool)
         else:
             key_valid = mask.astype(bool)
-        if positions is None:
-            # Positions are 0 .. t-1, or (with a mask) a count below t: read the
-            # rotary tables from a constant of t rows instead of computing them.
-            cos, sin = _rope_table(t, self.config.head_dim_, self.config.rope_theta,
-                                   _factors(self.config))
-            if mask is not None:
-                positions = jnp.maximum(jnp.cumsum(key_valid, axis=-1) - 1, 0)
-                cos, sin = cos[0][positions], sin[0][positions]
-        else:
-            cos, sin = rope_cos_sin(positions, self.config.head_dim_, self.config.rope_theta,
-                                    _factors(self.config))
+
+        def tables(theta):
+            if positions is None:
+                # Positions are 0 .. t-1, or (with a mask) a count below t: read the
+                # rotary tables from a constant of t rows instead of computing them.
+                cos, sin = _rope_table(t, cfg.head_dim_, theta, _factors(cfg))
+                if mask is not None:
+                    at = jnp.maximum(jnp.cumsum(key_valid, axis=-1) - 1, 0)
+                    cos, sin = cos[0][at], sin[0][at]
+                return cos, sin
+            return rope_cos_sin(positions, cfg.head_dim_, theta, _factors(cfg))
+
+        cos, sin = tables(cfg.rope_theta)
         attn_mask = causal_mask(jnp.arange(t), key_valid)
-        x = self.embed(tokens)
+        local = None
+        if cfg.is_sliding(*range(cfg.n_layers)):
+            local = (*tables(cfg.rope_local_theta or cfg.rope_theta),
+                     causal_mask(jnp.arange(t), key_valid, cfg.sliding_window))
+        x = self.embed_tokens(tokens)
         if rows is not None:
             rows = jnp.broadcast_to(jnp.asarray(rows, jnp.int32), (b,) + jnp.shape(rows)[-1:])
         x, _ = self._layers(x, cos, sin, attn_mask, None, None, rows,
-                            causal_query_blocks(t, self.config.attn_block_rows))
+                            causal_query_blocks(t, cfg.attn_block_rows), local)
         return x
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
@@ -573,13 +649,18 @@ def decode_groups(models: list, tokens: jax.Array, positions: jax.Array, caches:
       True
     """
     head = models[0]
+    cfg = head.config
     t = tokens.shape[1]
-    cos, sin = rope_cos_sin(positions, head.config.head_dim_, head.config.rope_theta, _factors(head.config))
+    cos, sin = rope_cos_sin(positions, cfg.head_dim_, cfg.rope_theta, _factors(cfg))
     attn_mask = causal_mask(cache_index + jnp.arange(t), key_valid)
-    x = head.embed(tokens)
+    local = None
+    if any(m.config.is_sliding(*range(m.config.n_layers)) for m in models):
+        local = (*rope_cos_sin(positions, cfg.head_dim_, cfg.rope_local_theta or cfg.rope_theta, _factors(cfg)),
+                 causal_mask(cache_index + jnp.arange(t), key_valid, cfg.sliding_window))
+    x = head.embed_tokens(tokens)
     new = []
     for model, cache in zip(models, caches):
-        x, (k, v) = model._layers(x, cos, sin, attn_mask, (cache.k, cache.v), cache_index)
+        x, (k, v) = model._layers(x, cos, sin, attn_mask, (cache.k, cache.v), cache_index, local=local)
         new.append(KVCache(k, v))
     if last_only:
         x = x[:, -1:]

@@ -70,6 +70,9 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.w3.kernel": (cfg.dim, cfg.hidden_dim),
             p + "mlp.w2.kernel": (cfg.hidden_dim, cfg.dim),
         })
+        if cfg.arch == "gemma3":
+            shapes.update({p + "attn.q_norm.scale": (hd,), p + "attn.k_norm.scale": (hd,),
+                           p + "post_attn_norm.scale": (cfg.dim,), p + "post_mlp_norm.scale": (cfg.dim,)})
         if cfg.qkv_bias:
             shapes.update({p + "attn.wq.bias": (cfg.n_heads * hd,), p + "attn.wk.bias": (cfg.n_kv_heads * hd,),
                            p + "attn.wv.bias": (cfg.n_kv_heads * hd,)})
