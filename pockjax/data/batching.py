@@ -32,7 +32,12 @@ import numpy as np
 
 from pockjax.data.tasks import Example
 
-__all__ = ["Batcher", "SequenceLengthError", "collate", "encode_example", "end_of_turn_id"]
+__all__ = ["BUCKETS", "Batcher", "SequenceLengthError", "choose_buckets", "collate", "encode_example",
+           "end_of_turn_id"]
+
+#: At most this many row lengths with ``Batcher(bucket_limit=...)``: the
+#: train step compiles once per length.
+BUCKETS = 4
 
 
 class SequenceLengthError(PockjaxError, ValueError):
@@ -40,7 +45,8 @@ class SequenceLengthError(PockjaxError, ValueError):
 
 
 def end_of_turn_id(tokenizer: Any) -> int:
-    """The id that ends an assistant turn: ``<|im_end|>`` if the vocabulary has it, else EOS.
+    """The id that ends an assistant turn: ``<|im_end|>`` (ChatML) or ``<end_of_turn>``
+    (Gemma) if the vocabulary has it, else EOS.
 
     Example:
       >>> from pockjax.models.llama import Tokenizer
@@ -48,6 +54,8 @@ def end_of_turn_id(tokenizer: Any) -> int:
       258
     """
     tid = tokenizer.token_to_id("<|im_end|>")
+    if tid is None:
+        tid = tokenizer.token_to_id("<end_of_turn>")
     if tid is None:
         tid = tokenizer.eos_id
     if tid is None:
@@ -128,9 +136,15 @@ class Batcher:
       system: Optional system message for every example.
       truncate: Cut over-long examples (keeping the prompt's start) instead of
         raising.
+      bucket_limit: Length bucketing (instead of ``seq_len``): each batch is
+        padded to the shortest of up to :data:`BUCKETS` row lengths that fits
+        its longest example (:func:`choose_buckets`), the longest being at
+        most ``bucket_limit``; an example longer than ``bucket_limit`` is an
+        error.
 
     Attributes:
-      seq_len: Row length of every batch.
+      seq_len: Row length of every batch (with ``bucket_limit``: the longest bucket).
+      buckets: The row lengths batches are padded to (``(seq_len,)`` without bucketing).
       answer_window: Loss positions that cover every example's answer (a
         multiple of 8), for :func:`pockjax.models.llama.answer_loss`.
       longest: Tokens in the longest example.
@@ -149,11 +163,14 @@ class Batcher:
       (80, (4, 80))
       >>> bool((b.batch(7)["tokens"] == b.batch(7)["tokens"]).all())
       True
+      >>> b = Batcher(tok, make_examples("reverse_words", 40, seed=0), batch_size=2, bucket_limit=256)
+      >>> b.buckets, sorted({b.batch(i)["tokens"].shape[1] for i in range(len(b))})
+      ((128, 144, 160, 176), [128, 144, 160, 176])
     """
 
     def __init__(self, tokenizer: Any, examples: Sequence[Example], *, batch_size: int,
                  seq_len: int | None = None, seed: int = 0, max_seq_len: int | None = None,
-                 system: str | None = None, truncate: bool = False):
+                 system: str | None = None, truncate: bool = False, bucket_limit: int | None = None):
         if not examples:
             raise ValueError("no training examples")
         if batch_size < 1:
@@ -164,6 +181,26 @@ class Batcher:
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
         self.rows = [encode_example(tokenizer, ex, system) for ex in self.examples]
         self.longest = max(len(ids) for ids, _ in self.rows)
+        self.buckets = None
+        if bucket_limit is not None:
+            if seq_len is not None or truncate:
+                raise ValueError("bucket_limit pads each batch to its own length: give it without"
+                                 " seq_len and truncate")
+            if bucket_limit < 1 or (max_seq_len is not None and bucket_limit > max_seq_len):
+                raise SequenceLengthError(f"--max-seq-len {bucket_limit} must be between 1 and the"
+                                          f" model's context of {max_seq_len} tokens")
+            too_long = [(i, len(ids)) for i, (ids, _) in enumerate(self.rows) if len(ids) > bucket_limit]
+            if too_long:
+                i, n = max(too_long, key=lambda x: x[1])
+                prompt = self.examples[i].prompt
+                raise SequenceLengthError(
+                    f"{len(too_long)} example(s) are longer than --max-seq-len {bucket_limit}; the"
+                    f" longest, training example {i} ({prompt[:40]!r}{'...' if len(prompt) > 40 else ''}),"
+                    f" has {n} tokens (prompt {self.rows[i][1]}): raise --max-seq-len to at least {n},"
+                    f" or leave the long examples out of the data")
+            self.buckets = choose_buckets([max(len(self.rows[i][0]) for i in self.indices(s))
+                                           for s in range(len(self))], bucket_limit)
+            seq_len = self.buckets[-1]
         if seq_len is None:
             seq_len = -(-self.longest // 16) * 16
             if max_seq_len is not None and seq_len > max_seq_len and (
@@ -184,6 +221,7 @@ class Batcher:
         if truncate:
             self.rows = [(ids[:seq_len], min(n_prompt, seq_len)) for ids, n_prompt in self.rows]
         self.seq_len = seq_len
+        self.buckets = self.buckets or (seq_len,)
         # Loss positions per row: answer tokens + end-of-turn, rounded up to 8.
         most = max(min(len(ids), seq_len) - min(n, seq_len) + 1 for ids, n in self.rows)
         self.answer_window = min(-(-most // 8) * 8, seq_len)
@@ -210,8 +248,12 @@ class Batcher:
             out.append(int(self._order(epoch)[pos]))
         return out
 
-    def batch(self, step: int) -> dict[str, np.ndarray]:
+    def batch(self, step: int, length: int | None = None) -> dict[str, np.ndarray]:
         """The batch for training step ``step`` (a pure function of seed and step).
+
+        Its rows have ``seq_len`` tokens, or with buckets the shortest bucket
+        that fits them; ``length``: that many instead (a row length to
+        compile the step for).
 
         Example:
           >>> from pockjax.models.llama import Tokenizer
@@ -219,7 +261,11 @@ class Batcher:
           >>> sorted(b.batch(5))
           ['loss_mask', 'loss_start', 'mask', 'targets', 'tokens']
         """
-        return collate([self.rows[i] for i in self.indices(step)], self.seq_len, self.pad_id)
+        rows = [self.rows[i] for i in self.indices(step)]
+        if length is None:
+            longest = max(len(ids) for ids, _ in rows)
+            length = next(n for n in self.buckets if n >= longest)
+        return collate(rows, length, self.pad_id)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         """Batches for steps 0, 1, 2, ... forever."""
@@ -242,3 +288,50 @@ class Batcher:
         return {"examples": float(len(self.rows)), "mean_length": float(lengths.mean()),
                 "max_length": float(lengths.max()), "answer_tokens": float(answers.mean()),
                 "padding_fraction": float(1 - lengths.mean() / self.seq_len)}
+
+
+def choose_buckets(batch_lengths: Sequence[int], limit: int, n: int = BUCKETS, multiple: int = 16
+                   ) -> tuple[int, ...]:
+    """Up to ``n`` row lengths that pad batches of these longest-row lengths the least.
+
+    Each batch is padded to the shortest chosen length that fits it. The
+    lengths are multiples of ``multiple`` (or ``limit`` itself), the longest
+    fits every batch; among such sets, the one with the fewest padded tokens
+    over ``batch_lengths`` (exact, by dynamic programming).
+
+    Example:
+      >>> choose_buckets([20, 30, 100, 40, 200, 33], limit=256)
+      (32, 48, 112, 208)
+      >>> choose_buckets([20, 30, 100, 40, 200, 33], limit=256, n=2)
+      (48, 208)
+      >>> choose_buckets([250], limit=250)
+      (250,)
+    """
+    if not batch_lengths:
+        raise ValueError("no batches to choose bucket lengths for")
+    if max(batch_lengths) > limit:
+        raise SequenceLengthError(f"a batch needs {max(batch_lengths)} tokens, more than the limit {limit}")
+    need = [min(-(-m // multiple) * multiple, limit) for m in batch_lengths]
+    values = sorted(set(need))
+    count = [need.count(v) for v in values]
+    # best[k][j]: fewest tokens for the batches up to values[j] with k + 1 buckets, the last values[j]
+    inf = float("inf")
+    best = [[inf] * len(values) for _ in range(n)]
+    back = [[-1] * len(values) for _ in range(n)]
+    for j in range(len(values)):
+        best[0][j] = values[j] * sum(count[:j + 1])
+    for k in range(1, n):
+        for j in range(len(values)):
+            covered = 0
+            for p in range(j - 1, -1, -1):
+                covered += count[p + 1]
+                cost = best[k - 1][p] + values[j] * covered
+                if cost < best[k][j]:
+                    best[k][j], back[k][j] = cost, p
+    last = len(values) - 1
+    k = min(range(n), key=lambda k: (best[k][last], k))
+    chosen, j = [], last
+    while j >= 0 and k >= 0:
+        chosen.append(values[j])
+        j, k = back[k][j], k - 1
+    return tuple(sorted(chosen))

@@ -151,6 +151,16 @@ class LlamaConfig:
         return self.layer_types is not None and any(
             self.layer_types[i] == "sliding_attention" for i in layers)
 
+    def slice_layers(self, start: int, stop: int) -> "LlamaConfig":
+        """The config of layers ``start .. stop - 1`` alone (their layer types kept).
+
+        Example:
+            >>> LlamaConfig.tiny_gemma3().slice_layers(1, 3).layer_types
+            ('full_attention', 'sliding_attention')
+        """
+        types = None if self.layer_types is None else self.layer_types[start:stop]
+        return self.replace(n_layers=stop - start, layer_types=types)
+
     def replace(self, **changes: Any) -> "LlamaConfig":
         """Returns a copy with some fields changed.
 

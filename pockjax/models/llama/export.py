@@ -152,7 +152,8 @@ def save_gguf(model: Any, tokenizer: Any, path: str | os.PathLike, *, quant: str
       name: ``general.name``.
 
     Raises:
-      ExportError: an unknown ``quant``, or a tokenizer GGUF cannot describe.
+      ExportError: an unknown ``quant``, a tokenizer GGUF cannot describe, or
+        a ``gemma3`` model (not written as GGUF yet).
 
     Example:
       >>> import tempfile
@@ -168,6 +169,10 @@ def save_gguf(model: Any, tokenizer: Any, path: str | os.PathLike, *, quant: str
         raise ExportError(f"unknown GGUF quantization {quant!r}; use one of {', '.join(GGUF_QUANTS)}")
     qtype = GGUF_QUANTS[quant]
     cfg: LlamaConfig = model.config
+    if cfg.arch not in ("llama", "qwen2"):
+        raise ExportError(f"GGUF export of {cfg.arch} models is not supported (pockjax writes llama and"
+                          f" qwen2 GGUF files); export it with --format safetensors, a Hugging Face"
+                          f" directory that llama.cpp's convert_hf_to_gguf.py converts")
     a = cfg.arch  # the metadata keys' prefix: llama.* or qwen2.*
     meta: dict[str, Any] = {
         "general.architecture": a, "general.name": name,
@@ -233,7 +238,8 @@ def export_model(source: str, out: str, *, format: str = "gguf", quant: str = "f
       quant: ``f32``, ``f16``, ``q8_0``, ``q4_0`` (GGUF); ``f32`` or ``f16`` (safetensors).
 
     Raises:
-      ExportError: an unknown format, or a quantization the format cannot hold.
+      ExportError: an unknown format, a quantization the format cannot hold,
+        or a ``gemma3`` model to GGUF.
     """
     from pockjax.models.llama import load_pretrained, save_hf_checkpoint
 

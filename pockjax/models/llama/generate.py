@@ -148,7 +148,7 @@ def _layer_groups(weights) -> tuple[tuple, list, dict]:
         if i == n or signature(i) != signature(start):
             runs.append((start, i))
             start = i
-    graphdefs = tuple(graphdef_for(weights.config.replace(n_layers=b - a, scan_layers=True)) for a, b in runs)
+    graphdefs = tuple(graphdef_for(weights.config.slice_layers(a, b).replace(scan_layers=True)) for a, b in runs)
     stacks = [jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[i] for i in range(a, b)]) for a, b in runs]
     rest = {k: v for k, v in weights.params.items() if k != "layers"}
     return graphdefs, stacks, rest
@@ -288,7 +288,7 @@ def generate_text(model: Llama, tokenizer: Any, prompts: Sequence[str | Sequence
             messages = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
             ids.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     stops = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
-    for name in ("<|im_end|>", "<|endoftext|>"):
+    for name in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>"):
         tid = tokenizer.token_to_id(name)
         if tid is not None:
             stops.add(tid)

@@ -2,9 +2,10 @@
 
 :func:`load_tokenizer` builds the byte-level BPE tokenizer that a GGUF file
 describes in its metadata (``tokenizer.ggml.tokens``, ``merges``,
-``token_type``, special token ids and the pre-tokenizer name), or loads a
-Hugging Face ``tokenizer.json``. :class:`Tokenizer` adds the model's chat
-template.
+``token_type``, special token ids and the pre-tokenizer name), or its
+SentencePiece-BPE tokenizer (``tokenizer.ggml.model == "llama"``: LLaMA-2,
+Gemma 3; :mod:`.spm`), or loads a Hugging Face ``tokenizer.json``.
+:class:`Tokenizer` adds the model's chat template (ChatML or Gemma's turns).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from pockjax.io.atomic import write_json, write_text
 from pockjax.io.gguf import GGUFFile, open_gguf
 from pockjax.io.tokenizer_json import read_tokenizer_config, read_tokenizer_json
 
-__all__ = ["Tokenizer", "load_tokenizer", "tokenizer_from_gguf", "tokenizer_from_hf_dir",
-           "render_chatml"]
+__all__ = ["GEMMA_CHAT_TEMPLATE", "Tokenizer", "load_tokenizer", "tokenizer_from_gguf",
+           "tokenizer_from_hf_dir", "render_chatml", "render_gemma"]
 
 # llama.cpp token types (gguf.TokenType).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -63,6 +64,44 @@ def render_chatml(messages: Sequence[dict[str, str]], add_generation_prompt: boo
         out.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
     if add_generation_prompt:
         out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+#: Gemma's chat template (Gemma 3's, as its tokenizer_config.json has it), for GGUF files that
+#: carry none; :func:`render_gemma` renders it without Jinja.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = \"\" -%}"
+    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\")"
+    " + message['content'] | trim + '<end_of_turn>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}")
+
+
+def render_gemma(messages: Sequence[dict[str, str]], add_generation_prompt: bool = True,
+                 bos: str = "<bos>") -> str:
+    """Renders messages in Gemma's turn format (:data:`GEMMA_CHAT_TEMPLATE`).
+
+    The assistant's turns are the ``model`` role's; a system message is put
+    in front of the first user message (Gemma has no system role); contents
+    are stripped of surrounding whitespace.
+
+    Example:
+      >>> render_gemma([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+      ...               {"role": "assistant", "content": "Hello."}], add_generation_prompt=False)
+      '<bos><start_of_turn>user\\nBe brief.\\n\\nHi<end_of_turn>\\n<start_of_turn>model\\nHello.<end_of_turn>\\n'
+    """
+    prefix = ""
+    if messages and messages[0]["role"] == "system":
+        prefix, messages = messages[0]["content"] + "\n\n", messages[1:]
+    out = [bos]
+    for n, m in enumerate(messages):
+        role = "model" if m["role"] == "assistant" else m["role"]
+        out.append(f"<start_of_turn>{role}\n{prefix if n == 0 else ''}{m['content'].strip()}<end_of_turn>\n")
+    if add_generation_prompt:
+        out.append("<start_of_turn>model\n")
     return "".join(out)
 
 
@@ -165,6 +204,9 @@ class Tokenizer:
           '<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n'
         """
         template = self.chat_template
+        if template is not None and "<start_of_turn>" in template:  # Gemma
+            bos = self.backend.id_to_token(self.bos_id) if self.bos_id is not None else ""
+            return render_gemma(messages, add_generation_prompt, bos)
         if template is None or "<|im_start|>" in template:
             default_system = None
             if template is not None:
@@ -340,11 +382,15 @@ def tokenizer_from_gguf(reader: GGUFFile) -> Tokenizer:
     """Builds the :class:`Tokenizer` described by an open GGUF file's metadata.
 
     Supports byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``),
-    as used by SmolLM, LLaMA-3 and StarCoder-style models.
+    as used by SmolLM, LLaMA-3 and StarCoder-style models, and
+    SentencePiece-BPE ones (``"llama"``: LLaMA-2, Gemma 3), encoded as
+    llama.cpp does (:class:`~pockjax.models.llama.spm.SentencePieceBPE`). A
+    file without a chat template whose vocabulary has ``<start_of_turn>``
+    gets :data:`GEMMA_CHAT_TEMPLATE`.
 
     Raises:
-      UnsupportedModelError: for SentencePiece (``"llama"``) or other
-        tokenizer models, or an unknown pre-tokenizer (a ``ValueError``).
+      UnsupportedModelError: for other tokenizer models, or an unknown
+        pre-tokenizer (a ``ValueError``).
       TokenizerFileError: tokenizer metadata of the wrong type or size.
 
     Example (not run: reads a model file)::
@@ -354,11 +400,10 @@ def tokenizer_from_gguf(reader: GGUFFile) -> Tokenizer:
     """
     source = reader.path
     model = reader.get("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise UnsupportedModelError(
             f"{source}: GGUF tokenizer model {model!r} is not supported (pockjax builds"
-            f" byte-level BPE 'gpt2' tokenizers); for a SentencePiece LLaMA-2 model, load its"
-            f" Hugging Face directory's tokenizer.json with tokenizer_from_hf_dir()")
+            f" byte-level BPE 'gpt2' and SentencePiece 'llama' tokenizers)")
     tokens = reader.get("tokenizer.ggml.tokens")
     merges = reader.get("tokenizer.ggml.merges", [])
     types = reader.get("tokenizer.ggml.token_type")
@@ -383,8 +428,24 @@ def tokenizer_from_gguf(reader: GGUFFile) -> Tokenizer:
     template = reader.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
         raise TokenizerFileError(f"{source}: tokenizer.chat_template must be a string")
-    backend = _byte_level_bpe(tokens, merges, types,
-                              _pre_tokenizer(reader.get("tokenizer.ggml.pre"), source), source)
+    if model == "llama":
+        from pockjax.models.llama.spm import SentencePieceBPE
+
+        scores = reader.get("tokenizer.ggml.scores")
+        if not (isinstance(scores, list) and len(scores) == len(tokens)
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores)):
+            raise TokenizerFileError(f"{source}: tokenizer.ggml.scores must be a list of {len(tokens)}"
+                                     f" numbers, one per token")
+        unk = reader.get("tokenizer.ggml.unknown_token_id")
+        if unk is not None and not (type(unk) is int and 0 <= unk < len(tokens)):
+            raise TokenizerFileError(f"{source}: tokenizer.ggml.unknown_token_id {unk!r} is not a token id")
+        backend = SentencePieceBPE(tokens, scores, types, unk_id=unk,
+                                   add_space_prefix=bool(reader.get("tokenizer.ggml.add_space_prefix", True)))
+        if template is None and "<start_of_turn>" in backend.vocab:
+            template = GEMMA_CHAT_TEMPLATE
+    else:
+        backend = _byte_level_bpe(tokens, merges, types,
+                                  _pre_tokenizer(reader.get("tokenizer.ggml.pre"), source), source)
     return Tokenizer(
         backend,
         bos_id=ids["bos_token_id"],
