@@ -32,8 +32,10 @@ def run_classifier(args: argparse.Namespace) -> int:
     from pockjax.train.classify import ClassifierConfig, finetune_classifier
 
     given = given_options(args)
-    if args.resume or args.data or "seq_len" in given and args.model == "mobilenetv2":
-        what = "--resume" if args.resume else "--data" if args.data else "--seq-len"
+    if args.resume or args.data or "seq_len" in given and args.model == "mobilenetv2" \
+            or {"grad_accum", "max_seq_len"} & given:
+        what = ("--resume" if args.resume else "--data" if args.data else "--grad-accum" if "grad_accum" in given
+                else "--max-seq-len" if "max_seq_len" in given else "--seq-len")
         return _error("finetune", ValueError(f"{what} is not available for --model {args.model}"
                                              " (classifiers train on a built-in --task)"))
     fields = {k: getattr(args, k) for k in ("model", "scheme", "blocks", "seed", "out")}
@@ -89,7 +91,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     fields = {k: getattr(args, k) for k in (
         "model", "task", "data", "scheme", "blocks", "optimizer", "lr", "steps", "batch_size",
         "seq_len", "seed", "eval_examples", "save_every", "out", "resume", "show", "dtype", "quantize",
-        "schedule", "warmup", "grad_clip", "eval_every")}
+        "schedule", "warmup", "grad_clip", "eval_every", "grad_accum", "max_seq_len")}
     fields["mesh"] = mesh
     given = given_options(args)
     if {"mesh", "devices"} & given:  # --devices N is --mesh data=N: either one replaces the run's mesh
@@ -175,9 +177,19 @@ def register(subparsers) -> None:
                    help=f"training steps (default {_D.steps}; with --resume: the run's own;"
                    " a larger value continues the run exactly, one below its current step"
                    " is refused)")
-    p.add_argument("--batch-size", type=positive_int, default=_D.batch_size, action=StoreGiven)
+    p.add_argument("--batch-size", type=positive_int, default=_D.batch_size, action=StoreGiven,
+                   help="rows per step (per micro-batch with --grad-accum)")
+    p.add_argument("--grad-accum", type=positive_int, default=_D.grad_accum, action=StoreGiven, metavar="K",
+                   help="gradient accumulation: each of --steps updates once on K micro-batches of --batch-size"
+                        " rows (the loss averaged over all their answer tokens), run one after another inside"
+                        " the compiled step: a K x larger batch with the activation memory of one")
     p.add_argument("--seq-len", type=positive_int, default=None, action=StoreGiven,
                    help="row length (default: the longest example, rounded up to 16)")
+    p.add_argument("--max-seq-len", type=positive_int, default=None, action=StoreGiven, metavar="N",
+                   help="length bucketing instead of --seq-len: each step's rows are padded to the shortest"
+                        " of up to 4 lengths (multiples of 16, chosen from the data to pad least) that fits"
+                        " them, at most N; the step compiles once per length; an example longer than N is"
+                        " an error")
     p.add_argument("--seed", type=non_negative_int, default=_D.seed, action=StoreGiven)
     p.add_argument("--eval-examples", type=non_negative_int, default=_D.eval_examples,
                    action=StoreGiven,

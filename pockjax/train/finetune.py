@@ -17,6 +17,9 @@ is only ever replaced whole (see :func:`write_output`)::
     OUT/tokenizer.json, tokenizer_config.json
     OUT/scheme.json                           the UpdateScheme (UpdateScheme.from_dict)
     OUT/metrics.json                          accuracy before/after, timings, losses
+    OUT/metrics.csv, loss.png                 step, loss, learning rate, held-out loss; the plot
+    OUT/tb/events.out.tfevents.TIME.HOST      the same curves for TensorBoard (one file per
+                                              run and per --resume)
     OUT/run.json                              the FinetuneConfig of the run, effective
                                               lr / seq_len, the data file's SHA-256
     OUT/state/opt_state.npz, trainer.json     optimizer state, step, rng: for --resume
@@ -71,11 +74,13 @@ __all__ = ["FinetuneConfig", "FinetuneError", "FinetuneResult", "finetune", "mak
 
 #: Files a finished output directory holds (``state/`` holds the resume state).
 OUTPUT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                "scheme.json", "metrics.json", "metrics.csv", "run.json", "state")
+                "scheme.json", "metrics.json", "metrics.csv", "run.json", "state", "tb")
 #: A LoRA run's adapters and their bases, for ``--resume`` (in ``state/``).
 ADAPTERS_FILE = "adapters.safetensors"
 #: The loss curve, also written where Matplotlib is installed (``pockjax[plot]``).
 PLOT_FILE = "loss.png"
+#: The TensorBoard event files' directory (scalars train/loss, train/lr, val/loss).
+TB_DIR = "tb"
 SCHEDULES = ("constant", "cosine", "linear")
 
 DEFAULT_LR = {"adamw": 3e-4, "adam": 3e-4, "sgd": 1e-2, "lion": 3e-5}
@@ -95,7 +100,7 @@ WEIGHT_GROWTH_LIMIT = 1000.0
 #: ``mesh`` (the saved state is whole, so a run may continue on other devices).
 RESULT_FIELDS = ("model", "task", "data", "scheme", "blocks", "optimizer", "lr", "batch_size",
                  "seq_len", "seed", "train_examples", "eval_examples", "dtype", "quantize",
-                 "schedule", "warmup", "grad_clip")
+                 "schedule", "warmup", "grad_clip", "grad_accum", "max_seq_len")
 
 # The default run's goal (see the closing summary).
 GOAL_ACCURACY = 0.8
@@ -120,8 +125,20 @@ class FinetuneConfig:
       optimizer: ``adamw``, ``adam``, ``sgd`` (momentum 0.9) or ``lion``.
       lr: Learning rate (None: the optimizer's default in ``DEFAULT_LR``).
       steps: Training steps.
-      batch_size: Rows per step.
+      batch_size: Rows per micro-batch (per step without ``grad_accum``).
       seq_len: Row length (None: the longest example, rounded up to 16).
+      max_seq_len: Length bucketing instead of one row length: each step's
+        rows are padded to the shortest of up to 4 lengths (chosen from the
+        data to pad least, :func:`~pockjax.data.batching.choose_buckets`)
+        that fits its longest example, at most this many tokens; the step
+        compiles once per length. A longer example is an error. Not with
+        ``seq_len``.
+      grad_accum: Gradient accumulation: each optimizer update (each of
+        ``steps``) averages the loss over ``grad_accum`` micro-batches of
+        ``batch_size`` rows, run one after another inside the compiled step
+        (:func:`~pockjax.train.steps.answer_train_step` ``accum``): the update
+        of a ``grad_accum * batch_size`` batch with the activation memory of
+        ``batch_size`` rows.
       seed: Seed of the data split and the batch order.
       train_examples: Generated training examples (built-in tasks).
       eval_examples: Held-out examples for exact match before and after (0: skip).
@@ -177,6 +194,8 @@ class FinetuneConfig:
     warmup: int = 0
     grad_clip: float | None = None
     eval_every: int = 0
+    grad_accum: int = 1
+    max_seq_len: int | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -297,14 +316,44 @@ def _recover(out: str) -> None:
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
+@dataclasses.dataclass
+class EventsLog:
+    """One run's TensorBoard event file, ``OUT/tb/NAME``: the steps after ``start``.
+
+    A resumed run writes a new file and keeps the earlier runs' files as they
+    are (TensorBoard reads a directory's files in name order). ``wall_times``
+    maps a step to the time it finished.
+    """
+
+    name: str
+    start: int = 0
+    wall_times: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def for_run(cls, out: str | None, start: int, now: float | None = None) -> "EventsLog":
+        """A log for a run starting after step ``start``, named after ``now`` and not yet taken in ``out``."""
+        from pockjax.io.tfevents import events_file_name
+
+        base = events_file_name(now)
+        taken = set(os.listdir(os.path.join(out, TB_DIR))) if out and os.path.isdir(os.path.join(out, TB_DIR)) else set()
+        name, n = base, 1
+        while name in taken:
+            n += 1
+            name = f"{base}.{n}"
+        return cls(name, start)
+
+
 def write_output(out: str, *, model: Any, tokenizer: Any, scheme: pockjax.UpdateScheme,
                  metrics: dict, run: dict, opt_state: Any, step: int, rng: Any,
-                 adapters: dict | None = None) -> None:
+                 adapters: dict | None = None, events: EventsLog | None = None) -> None:
     """Writes a complete output directory atomically and durably.
 
     ``model`` is what the directory holds for users (LoRA adapters merged);
     ``adapters`` (``{path: LoraTensor}``) go to ``state/adapters.safetensors``,
     base and factors, so that ``--resume`` continues the run exactly.
+    ``events``: this run's TensorBoard file in ``tb/`` (the other files there,
+    of the runs before a ``--resume``, are carried over); None: one file of
+    every step.
 
     Everything goes to a temporary sibling (``OUT.pockjax-tmp-PID-TAG``), is
     fsynced, and then takes the place of ``OUT`` (see
@@ -321,7 +370,12 @@ def write_output(out: str, *, model: Any, tokenizer: Any, scheme: pockjax.Update
         tokenizer.save(tmp)
         save_scheme_file(os.path.join(tmp, "scheme.json"), scheme)
         _json_dump(metrics, os.path.join(tmp, "metrics.json"))
-        _write_curves(tmp, metrics, run)
+        if events is not None and os.path.isdir(os.path.join(out, TB_DIR)):
+            os.makedirs(os.path.join(tmp, TB_DIR))
+            for name in sorted(os.listdir(os.path.join(out, TB_DIR))):
+                if name != events.name and name.startswith("events.out.tfevents."):
+                    shutil.copyfile(os.path.join(out, TB_DIR, name), os.path.join(tmp, TB_DIR, name))
+        _write_curves(tmp, metrics, run, events)
         _json_dump(run, os.path.join(tmp, "run.json"))
         if adapters:
             from pockjax.io.safetensors import write_safetensors
@@ -338,22 +392,44 @@ def write_output(out: str, *, model: Any, tokenizer: Any, scheme: pockjax.Update
                    os.path.join(tmp, "state", "trainer.json"))
 
 
-def _write_curves(directory: str, metrics: dict, run: dict) -> bool:
-    """``metrics.csv`` (step, loss, learning rate, held-out loss) and ``loss.png`` (the curves) of the run so far.
+def _curve_rows(metrics: dict, run: dict) -> list[tuple[int, float, float, float | None]]:
+    """``(step, loss, learning rate, held-out loss or None)`` of every step so far.
 
-    Returns whether it drew ``loss.png`` (False: Matplotlib is not installed).
+    The one source of ``metrics.csv``, the TensorBoard events and the plot.
     """
-    from pockjax.io.atomic import save_figure, write_text
-
     losses = metrics.get("losses", [])
     cfg = run.get("config", {})
     lr = run.get("effective", {}).get("lr", 0.0)
     rate = lr_schedule(lr, cfg.get("schedule", "constant"), int(cfg.get("warmup", 0) or 0),
                        int(cfg.get("steps", len(losses)) or 1))
     held = {int(step): v for step, v in metrics.get("val_losses", [])}
-    rows = ["step,loss,lr,val_loss"] + [f"{i + 1},{loss},{float(rate(i)):.6g},{held.get(i + 1, '')}"
-                                        for i, loss in enumerate(losses)]
+    return [(i + 1, loss, float(f"{float(rate(i)):.6g}"), held.get(i + 1)) for i, loss in enumerate(losses)]
+
+
+def _write_curves(directory: str, metrics: dict, run: dict, events: EventsLog | None = None) -> bool:
+    """The curves of the run so far (:func:`_curve_rows`): ``metrics.csv``, ``tb/`` and ``loss.png``.
+
+    ``metrics.csv``: step, loss, learning rate, held-out loss. ``tb/``: the
+    TensorBoard scalars ``train/loss``, ``train/lr`` and ``val/loss`` of the
+    steps of ``events`` (None: of every step). Returns whether it drew
+    ``loss.png`` (False: Matplotlib is not installed).
+    """
+    from pockjax.io.atomic import save_figure, write_text
+    from pockjax.io.tfevents import write_events
+
+    curve = _curve_rows(metrics, run)
+    rows = ["step,loss,lr,val_loss"] + [f"{step},{loss},{lr:.6g},{'' if val is None else val}"
+                                        for step, loss, lr, val in curve]
     write_text(os.path.join(directory, "metrics.csv"), "\n".join(rows) + "\n")
+    events = events or EventsLog.for_run(None, 0)
+    scalars = [(step, {"train/loss": loss, "train/lr": lr, **({} if val is None else {"val/loss": val})})
+               for step, loss, lr, val in curve if step > events.start]
+    if scalars:
+        os.makedirs(os.path.join(directory, TB_DIR), exist_ok=True)
+        write_events(os.path.join(directory, TB_DIR, events.name), scalars, wall_time=events.wall_times or None)
+    losses = [loss for _, loss, _, _ in curve]
+    held = {step: val for step, _, _, val in curve if val is not None}
+    cfg = run.get("config", {})
     try:
         import matplotlib
     except ImportError:
@@ -509,7 +585,7 @@ RESUME_MAY_CHANGE = ("steps", "save_every", "show", "progress", "eval_max_new_to
 # The smallest value of each whole-number field (None allowed where the field defaults to None).
 _INT_MIN = {"steps": 1, "batch_size": 1, "seed": 0, "train_examples": 1, "eval_examples": 0,
             "show": 0, "save_every": 0, "blocks": 1, "seq_len": 1, "eval_max_new_tokens": 1,
-            "warmup": 0, "eval_every": 0}
+            "warmup": 0, "eval_every": 0, "grad_accum": 1, "max_seq_len": 1}
 
 
 def _flag(name: str) -> str:
@@ -520,7 +596,7 @@ def _validate(cfg: FinetuneConfig) -> None:
     """Refuses a number out of range (one line naming the option), before any work."""
     for name, low in _INT_MIN.items():
         value = getattr(cfg, name)
-        if value is None and name in ("blocks", "seq_len", "eval_max_new_tokens"):
+        if value is None and name in ("blocks", "seq_len", "eval_max_new_tokens", "max_seq_len"):
             continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise FinetuneError(f"{_flag(name)} must be a whole number >= {low}, got {value!r}")
@@ -533,6 +609,12 @@ def _validate(cfg: FinetuneConfig) -> None:
         c = cfg.grad_clip
         if isinstance(c, bool) or not isinstance(c, (int, float, np.floating)) or not (math.isfinite(c) and c > 0):
             raise FinetuneError(f"--grad-clip must be a finite number > 0, got {c!r}")
+    if cfg.seq_len is not None and cfg.max_seq_len is not None:
+        raise FinetuneError(f"--seq-len {cfg.seq_len} pads every row to one length, --max-seq-len"
+                            f" {cfg.max_seq_len} each step's rows to their own bucket: give one of them")
+    if cfg.grad_accum > 1 and cfg.mesh:
+        raise FinetuneError("--grad-accum runs on one device for now: leave out --mesh / --devices"
+                            " (or raise --batch-size instead)")
     if cfg.eval_every and not cfg.eval_examples:
         raise FinetuneError("--eval-every computes the loss on the held-out examples: --eval-examples is 0")
     if cfg.eval_every and cfg.mesh:
@@ -742,8 +824,9 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         raise FinetuneError("finetune trains an unrolled model (scan_layers=False): pockjax"
                             " prunes the backward pass per block there")
     train, held, data_name = _examples(cfg)
-    batcher = Batcher(tokenizer, train, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                      seed=cfg.seed, max_seq_len=model.config.max_seq_len)
+    # one optimizer update's rows: grad_accum micro-batches of batch_size
+    batcher = Batcher(tokenizer, train, batch_size=cfg.batch_size * cfg.grad_accum, seq_len=cfg.seq_len,
+                      seed=cfg.seed, max_seq_len=model.config.max_seq_len, bucket_limit=cfg.max_seq_len)
     if cfg.resume:
         scheme = load_scheme_file(os.path.join(out, "scheme.json"))
     else:
@@ -823,8 +906,12 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         f" {model.config.n_layers} blocks")
     log(f"scheme {scheme.name or cfg.scheme}: {trainable / 1e6:.2f}M trainable"
         f" ({100 * trainable / total:.1f}%)")
+    rows = (f"{cfg.grad_accum} x {cfg.batch_size} (accumulated)" if cfg.grad_accum > 1
+            else f"{cfg.batch_size}")
+    lengths = (f"{batcher.seq_len}" if cfg.max_seq_len is None
+               else f"{' / '.join(map(str, batcher.buckets))} (buckets)")
     log(f"data {data_name}: {len(train)} training / {len(held)} held-out examples;"
-        f" batch {cfg.batch_size} x {batcher.seq_len} tokens, answer window"
+        f" batch {rows} x {lengths} tokens, answer window"
         f" {batcher.answer_window}; optimizer {cfg.optimizer} lr {cfg.lr or DEFAULT_LR[cfg.optimizer]}")
 
     # -- 2. evaluate before ------------------------------------------------------------
@@ -845,26 +932,31 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
 
     # The step also returns a health scalar: the squared norm of the fully
     # trained weights, not finite if the loss or one of them is not.
-    step_fn = pockjax.compile(answer_train_step(graphdef, tx, window, health=scheme),
+    step_fn = pockjax.compile(answer_train_step(graphdef, tx, window, health=scheme, accum=cfg.grad_accum),
                               scheme=scheme, xla_options=ANSWER_STEP_XLA_OPTIONS,
                               precision=_compute_precision(cfg.dtype))
 
-    def batch_at(i):
-        batch = {k: jnp.asarray(v) for k, v in batcher.batch(i).items()}
+    def batch_at(i, length=None):
+        batch = {k: jnp.asarray(v) for k, v in batcher.batch(i, length).items()}
+        if cfg.grad_accum > 1:  # (K * B, ...) -> (K, B, ...): micro-batch k is rows k*B .. k*B + B - 1
+            batch = {k: v.reshape((cfg.grad_accum, cfg.batch_size) + v.shape[1:]) for k, v in batch.items()}
         if mesh is not None:
             batch = shard_batch(batch, mesh)
         return batch
 
     t = time.time()
-    if start < cfg.steps:
-        step_fn.lower(params, opt_state, batch_at(start)).compile()
+    if start < cfg.steps:  # every row length the run pads to, before the first step
+        for length in batcher.buckets:
+            step_fn.lower(params, opt_state, batch_at(start, length)).compile()
     compile_s = time.time() - t
     release_free_heap()  # the compiler's working memory
     if start < cfg.steps:
-        log(f"compiled the sparse train step in {compile_s:.1f} s")
+        shapes = "" if len(batcher.buckets) == 1 else f" for {len(batcher.buckets)} row lengths"
+        log(f"compiled the sparse train step{shapes} in {compile_s:.1f} s")
 
     run = {"config": cfg.to_dict(), "scheme": scheme.to_dict(),
            "effective": {"lr": cfg.lr or DEFAULT_LR[cfg.optimizer], "seq_len": batcher.seq_len,
+                         "buckets": list(batcher.buckets),
                          "answer_window": window, "trainable_params": description.trainable}}
     if cfg.data:
         run["data_sha256"] = file_sha256(cfg.data)
@@ -872,6 +964,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         run["held_formats"] = {path: x.qtype for path, x in llama.flatten_params(params).items()
                                if quant.is_qtensor(x)}
     last_saved = [start if cfg.resume else None]
+    events = EventsLog.for_run(out, start, t_start)  # this run's TensorBoard file
 
     def diverged(step, loss, health, new_params, new_opt_state):
         """The NonFiniteError of a step whose result is unusable (read on the host)."""
@@ -906,7 +999,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         write_output(out, model=_model_of(model, graphdef, params), tokenizer=tokenizer,
                      scheme=scheme, metrics=metrics, run=run, opt_state=opt_state,
                      step=step, rng=rng, adapters={p: x for p, x in llama.flatten_params(params).items()
-                                                   if isinstance(x, LoraTensor)})
+                                                   if isinstance(x, LoraTensor)}, events=events)
         last_saved[0] = step
 
     val_loss = val_batch = None
@@ -921,8 +1014,8 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         from pockjax.transforms.dequantize import quantized_jit
 
         val_loss = quantized_jit(held_loss) if isinstance(model, LlamaWeights) else jax.jit(held_loss)
-    tokens_per_step = cfg.batch_size * batcher.seq_len
     step_times: list[float] = []
+    step_tokens: list[int] = []
     from tqdm.auto import tqdm
 
     bar = tqdm(total=cfg.steps, initial=start, disable=not cfg.progress, unit="step",
@@ -931,15 +1024,18 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     try:
         for i in range(start, cfg.steps):
             t = time.time()
-            new_params, new_opt_state, loss, health = step_fn(params, opt_state, batch_at(i))
+            batch = batch_at(i)
+            new_params, new_opt_state, loss, health = step_fn(params, opt_state, batch)
             loss, health = float(loss), float(health)
             if not (math.isfinite(loss) and math.isfinite(health)) or health > health_limit:
                 raise diverged(i + 1, loss, health, new_params, new_opt_state)
             params, opt_state = new_params, new_opt_state
             dt = time.time() - t
             step_times.append(dt)
+            step_tokens.append(int(batch["tokens"].size))
+            events.wall_times[i + 1] = time.time()
             metrics["losses"].append(round(loss, 5))
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:.0f}",
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{step_tokens[-1] / dt:.0f}",
                             rss=_gb(rss_bytes()), refresh=False)
             bar.update(1)
             if val_loss is not None and (i + 1) % cfg.eval_every == 0:
@@ -972,12 +1068,14 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         _show("after fine-tuning", held, after, cfg.show, log)
     steady = step_times[1:] if len(step_times) > 1 else step_times
     s_per_step = float(np.mean(steady)) if steady else float("nan")
+    tokens_per_step = float(np.mean(step_tokens[1:] if len(step_tokens) > 1 else step_tokens or [0]))
     wall = time.time() - t_start
     metrics.update({
         "model": cfg.model, "data": data_name, "scheme": scheme.name or cfg.scheme,
         "trainable_params": trainable, "total_params": total,
         "steps": cfg.steps, "steps_this_run": len(step_times), "batch_size": cfg.batch_size,
-        "seq_len": batcher.seq_len, "compile_seconds": compile_s,
+        "grad_accum": cfg.grad_accum, "seq_len": batcher.seq_len, "buckets": list(batcher.buckets),
+        "compile_seconds": compile_s,
         "train_seconds_this_run": train_s, "seconds_per_step": s_per_step,
         "tokens_per_second": tokens_per_step / s_per_step if steady else None,
         "eval_seconds_after": eval_after_s, "wall_seconds_this_run": wall,
@@ -997,8 +1095,11 @@ def _summary(m: dict, cfg: FinetuneConfig, out: str | None, log) -> None:
     lines.append(f"model      {m['model']}, scheme {m['scheme']}: {m['trainable_params'] / 1e6:.2f}M"
                  f" of {m['total_params'] / 1e6:.1f}M parameters trainable ({pct:.1f}%)")
     tps = m["tokens_per_second"]
+    rows = (f"{m['grad_accum']} x {m['batch_size']}" if m.get("grad_accum", 1) > 1 else f"{m['batch_size']}")
+    lengths = (f"{m['seq_len']}" if len(m.get("buckets") or ()) <= 1
+               else f"<= {m['seq_len']} (buckets {'/'.join(map(str, m['buckets']))})")
     lines.append(f"training   {m['steps_this_run']} steps (to step {m['steps']}) of"
-                 f" {m['batch_size']} x {m['seq_len']} tokens in {m['train_seconds_this_run'] / 60:.1f} min:"
+                 f" {rows} x {lengths} tokens in {m['train_seconds_this_run'] / 60:.1f} min:"
                  f" {m['seconds_per_step']:.2f} s/step, {tps or 0:.0f} tokens/s"
                  f" (+ {m['compile_seconds']:.0f} s compile); final loss {m['final_loss']}")
     # The default run (SmolLM2-135M on reverse_words) has a stated goal; say whether it was met.

@@ -90,18 +90,30 @@ def lm_train_step(graphdef: Any, tx: Any) -> Callable:
 
 
 def answer_train_step(graphdef: Any, tx: Any, window: int, *,
-                      health: Any = None) -> Callable:
+                      health: Any = None, accum: int = 1) -> Callable:
     """``step(params, opt_state, batch) -> (params, opt_state, loss)`` on answer windows.
 
     ``batch`` is a dict from :class:`pockjax.data.Batcher` (``tokens``,
     ``targets``, ``loss_mask``, ``loss_start``); the loss is
     :func:`pockjax.models.llama.answer_loss`, which runs the output projection
-    only on ``window`` positions per row (``Batcher.answer_window``). This is
-    the step ``pockjax finetune`` and the benchmarks train with.
+    only on ``min(window, row length)`` positions per row
+    (``Batcher.answer_window``). This is the step ``pockjax finetune`` and the
+    benchmarks train with. It compiles once per row length (one per bucket
+    of ``Batcher(buckets=...)``).
 
     With ``health`` (an :class:`~pockjax.UpdateScheme`, or True for every
     parameter) the step also returns :func:`weight_health` of its result:
     ``(params, opt_state, loss, health)``.
+
+    With ``accum=K`` > 1 (gradient accumulation) every leaf of ``batch`` has
+    a leading axis of K micro-batches (``(K, B, T)`` tokens): a ``lax.scan``
+    over them sums the gradients, and the optimizer updates once. The loss is
+    the mean over the loss positions of all K*B rows (each micro-batch
+    weighted by its count of loss positions), so the step equals one step on
+    the K*B rows at once up to float rounding, with the activations of only B
+    rows alive at a time. The gradients are taken inside the scan, where
+    pockjax's passes still see them: optimizer state exists for the trained
+    entries only, and the backward ops of frozen ones are pruned.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax
@@ -118,15 +130,41 @@ def answer_train_step(graphdef: Any, tx: Any, window: int, *,
         ()
     """
     import jax
+    import jax.numpy as jnp
     import optax
 
     from pockjax.models import llama
 
+    if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
+        raise ValueError(f"accum must be a whole number >= 1 (micro-batches per update), got {accum!r}")
+
     def loss_fn(params, batch):
-        return llama.answer_loss(llama.merge(graphdef, params), batch, window)
+        w = min(window, batch["tokens"].shape[-1])  # static: one window per row length
+        return llama.answer_loss(llama.merge(graphdef, params), batch, w)
+
+    def accumulated(params, batch):
+        lead = {k: v.shape[0] for k, v in batch.items()}
+        if set(lead.values()) != {accum}:
+            raise ValueError(f"accum={accum}: every batch leaf needs a leading axis of {accum}"
+                             f" micro-batches, got {lead}")
+        counts = jnp.sum(jax.vmap(lambda b: answer_positions(b, min(window, b["tokens"].shape[-1])))(batch), axis=1)
+        total = jnp.maximum(jnp.sum(counts), 1.0)
+
+        def micro(carry, xs):
+            mb, count = xs
+            # mean over this micro-batch's positions * their share of all positions
+            part, g = jax.value_and_grad(lambda p: loss_fn(p, mb) * (count / total))(params)
+            return jax.tree.map(jnp.add, carry, (part, g)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (loss, grads), _ = jax.lax.scan(micro, zeros, (batch, counts))
+        return loss, grads
 
     def train_step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        if accum == 1:
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        else:
+            loss, grads = accumulated(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         if health is None:
@@ -134,6 +172,30 @@ def answer_train_step(graphdef: Any, tx: Any, window: int, *,
         return params, opt_state, loss, weight_health(loss, params, health)
 
     return train_step
+
+
+def answer_positions(batch: dict, window: int) -> Any:
+    """Per row, how many loss positions :func:`~pockjax.models.llama.answer_loss` averages over.
+
+    The positions of ``loss_mask`` inside the row's window of ``window``
+    positions from ``loss_start`` (and inside the row), as float32 ``(batch,)``:
+    :func:`answer_train_step` weights micro-batches by their sum. Mirrors the
+    window of ``answer_loss``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> batch = {"tokens": jnp.zeros((2, 4), jnp.int32), "loss_start": jnp.array([1, 3]),
+        ...          "loss_mask": jnp.array([[0., 1., 1., 0.], [0., 0., 0., 1.]])}
+        >>> answer_positions(batch, window=2).tolist()
+        [2.0, 1.0]
+    """
+    import jax.numpy as jnp
+
+    t = batch["tokens"].shape[-1]
+    idx = batch["loss_start"][:, None] + jnp.arange(window)[None, :]
+    inside = idx < t
+    mask = jnp.take_along_axis(batch["loss_mask"], jnp.minimum(idx, t - 1), axis=1) * inside
+    return jnp.sum(mask.astype(jnp.float32), axis=1)
 
 
 def weight_health(loss: Any, params: Any, scheme: Any = True) -> Any:
