@@ -149,6 +149,10 @@ def _gemma3_config(c: dict[str, Any], source: str, **overrides: Any) -> LlamaCon
     ).replace(**overrides)
 
 
+def _int_if_whole(x: float) -> float | int:
+    return int(x) if float(x).is_integer() else x
+
+
 # Gemma 3's names, where they differ from LLaMA's (each norm scale is 1 + the file's weight).
 _GEMMA3_NAMES = {
     "post_attention_layernorm.weight": ("post_attn_norm.scale", False),
@@ -388,7 +392,8 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike, *, dtype: Any = np.f
             "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
             "layer_types": list(cfg.layer_types or ["full_attention"] * cfg.n_layers),
             "sliding_window": cfg.sliding_window or cfg.max_seq_len,
-            "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim_,
+            # transformers types it int (256 in Gemma 3's configs)
+            "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim_),
             "final_logit_softcapping": None, "attn_logit_softcapping": None,
             "rope_parameters": {
                 "full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
