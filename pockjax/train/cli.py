@@ -199,7 +199,8 @@ def register(subparsers) -> None:
     p.add_argument("--show", type=non_negative_int, default=_D.show, action=StoreGiven,
                    help="generations shown before/after")
     p.add_argument("--out", default=None, metavar="DIR",
-                   help="output directory: weights, tokenizer, scheme, metrics, resume state")
+                   help="output directory: weights, tokenizer, scheme, metrics (metrics.csv, loss.png,"
+                        " TensorBoard event files in tb/), resume state")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--mesh", default="", metavar="AXIS=N[,AXIS=N]", action=StoreGiven,

@@ -945,9 +945,10 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         return batch
 
     t = time.time()
-    if start < cfg.steps:  # every row length the run pads to, before the first step
-        for length in batcher.buckets:
-            step_fn.lower(params, opt_state, batch_at(start, length)).compile()
+    # the step compiled for every row length the run pads to, before the first step (called
+    # directly: a compiled function called with alternating shapes first tries its last one)
+    compiled = {length: step_fn.lower(params, opt_state, batch_at(start, length)).compile()
+                for length in (batcher.buckets if start < cfg.steps else ())}
     compile_s = time.time() - t
     release_free_heap()  # the compiler's working memory
     if start < cfg.steps:
@@ -1025,7 +1026,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         for i in range(start, cfg.steps):
             t = time.time()
             batch = batch_at(i)
-            new_params, new_opt_state, loss, health = step_fn(params, opt_state, batch)
+            new_params, new_opt_state, loss, health = compiled[batch["tokens"].shape[-1]](params, opt_state, batch)
             loss, health = float(loss), float(health)
             if not (math.isfinite(loss) and math.isfinite(health)) or health > health_limit:
                 raise diverged(i + 1, loss, health, new_params, new_opt_state)
