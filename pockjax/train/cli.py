@@ -151,7 +151,8 @@ def register(subparsers) -> None:
     # StoreGiven: --resume tells the options given from those left at their
     # defaults; a given one that decides the result must equal the run's own.
     p.add_argument("--model", default=_D.model, action=StoreGiven,
-                   help="smollm2-135m, a .gguf file, or a Hugging Face LLaMA directory; or a"
+                   help="smollm2-135m, gemma3-270m, a .gguf file, or a Hugging Face LLaMA / Qwen2 /"
+                        " Gemma 3 directory; or a"
                         " classifier: " + ", ".join(CLASSIFIERS))
     p.add_argument("--task", default=_D.task, action=StoreGiven,
                    choices=sorted(TASKS) + sorted(VISION_TASKS) + sorted(TEXT_TASKS),
@@ -238,7 +239,7 @@ def register(subparsers) -> None:
         "generate", help="answer a prompt with a base or fine-tuned model",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("--model", default="smollm2-135m",
-                   help="smollm2-135m, a .gguf file, or a directory written by finetune --out")
+                   help="smollm2-135m, gemma3-270m, a .gguf file, or a directory written by finetune --out")
     g.add_argument("--prompt", action="append", required=True,
                    help="user message (repeat for several prompts)")
     g.add_argument("--max-new-tokens", type=positive_int, default=64)
