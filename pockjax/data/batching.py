@@ -248,12 +248,11 @@ class Batcher:
             out.append(int(self._order(epoch)[pos]))
         return out
 
-    def batch(self, step: int, length: int | None = None) -> dict[str, np.ndarray]:
+    def batch(self, step: int) -> dict[str, np.ndarray]:
         """The batch for training step ``step`` (a pure function of seed and step).
 
         Its rows have ``seq_len`` tokens, or with buckets the shortest bucket
-        that fits them; ``length``: that many instead (a row length to
-        compile the step for).
+        that fits them.
 
         Example:
           >>> from pockjax.models.llama import Tokenizer
@@ -262,10 +261,19 @@ class Batcher:
           ['loss_mask', 'loss_start', 'mask', 'targets', 'tokens']
         """
         rows = [self.rows[i] for i in self.indices(step)]
-        if length is None:
-            longest = max(len(ids) for ids, _ in rows)
-            length = next(n for n in self.buckets if n >= longest)
-        return collate(rows, length, self.pad_id)
+        longest = max(len(ids) for ids, _ in rows)
+        return collate(rows, next(n for n in self.buckets if n >= longest), self.pad_id)
+
+    def placeholder(self, length: int) -> dict[str, np.ndarray]:
+        """A batch of padding only (nothing to learn from) with rows of ``length``: to compile a step for that shape.
+
+        Example:
+          >>> from pockjax.models.llama import Tokenizer
+          >>> b = Batcher(Tokenizer.byte_level_for_tests(), [Example("hi", "yo")], batch_size=2)
+          >>> b.placeholder(16)["tokens"].shape, float(b.placeholder(16)["loss_mask"].sum())
+          ((2, 16), 0.0)
+        """
+        return collate([([self.pad_id], 1)] * self.batch_size, length, self.pad_id)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         """Batches for steps 0, 1, 2, ... forever."""

@@ -936,8 +936,9 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
                               scheme=scheme, xla_options=ANSWER_STEP_XLA_OPTIONS,
                               precision=_compute_precision(cfg.dtype))
 
-    def batch_at(i, length=None):
-        batch = {k: jnp.asarray(v) for k, v in batcher.batch(i, length).items()}
+    def batch_at(i, length=None):  # length: a placeholder batch of that row length
+        rows = batcher.batch(i) if length is None else batcher.placeholder(length)
+        batch = {k: jnp.asarray(v) for k, v in rows.items()}
         if cfg.grad_accum > 1:  # (K * B, ...) -> (K, B, ...): micro-batch k is rows k*B .. k*B + B - 1
             batch = {k: v.reshape((cfg.grad_accum, cfg.batch_size) + v.shape[1:]) for k, v in batch.items()}
         if mesh is not None:
@@ -947,7 +948,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     t = time.time()
     # the step compiled for every row length the run pads to, before the first step (called
     # directly: a compiled function called with alternating shapes first tries its last one)
-    compiled = {length: step_fn.lower(params, opt_state, batch_at(start, length)).compile()
+    compiled = {length: step_fn.lower(params, opt_state, batch_at(None, length)).compile()
                 for length in (batcher.buckets if start < cfg.steps else ())}
     compile_s = time.time() - t
     release_free_heap()  # the compiler's working memory
