@@ -32,10 +32,8 @@ def run_classifier(args: argparse.Namespace) -> int:
     from pockjax.train.classify import ClassifierConfig, finetune_classifier
 
     given = given_options(args)
-    if args.resume or args.data or "seq_len" in given and args.model == "mobilenetv2" \
-            or {"grad_accum", "max_seq_len"} & given:
-        what = ("--resume" if args.resume else "--data" if args.data else "--grad-accum" if "grad_accum" in given
-                else "--max-seq-len" if "max_seq_len" in given else "--seq-len")
+    if args.resume or args.data or "seq_len" in given and args.model == "mobilenetv2":
+        what = "--resume" if args.resume else "--data" if args.data else "--seq-len"
         return _error("finetune", ValueError(f"{what} is not available for --model {args.model}"
                                              " (classifiers train on a built-in --task)"))
     fields = {k: getattr(args, k) for k in ("model", "scheme", "blocks", "seed", "out")}
@@ -77,6 +75,9 @@ def run_finetune(args: argparse.Namespace) -> int:
         if args.dtype != _D.dtype or args.quantize != _D.quantize:
             return _error("finetune", ValueError("--dtype and --quantize are for the LLaMA models; the"
                                                  " classifiers train in float32"))
+        if args.grad_accum != _D.grad_accum or args.max_seq_len is not None:
+            return _error("finetune", ValueError("--grad-accum and --max-seq-len are for the LLaMA models; the"
+                                                 " classifiers train on fixed-shape batches of --batch-size"))
         return run_classifier(args)
     if args.image_size != _IMAGE_SIZE or args.train_per_class != _PER_CLASS or args.fraction != 0.5:
         return _error("finetune", ValueError("--image-size, --train-per-class and --fraction are for the"
