@@ -7,6 +7,8 @@
   :mod:`pockjax.io.jsonfile`: readers that check every field before use and
   raise a :class:`~pockjax.errors.FileFormatError` subclass naming the file
   and the fault. No reader executes anything from a file (no pickle).
+- :mod:`pockjax.io.tfevents`: TensorBoard event files of scalars (``pockjax
+  finetune``'s ``tb/``), written and read without TensorFlow.
 """
 
 from pockjax.io.atomic import (

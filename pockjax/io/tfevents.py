@@ -131,7 +131,12 @@ def _event(wall_time: float, step: int, rest: bytes) -> bytes:
 
 
 def version_event(wall_time: float) -> bytes:
-    """The first ``Event`` of a file: ``file_version = "brain.Event:2"`` at step 0."""
+    """The first ``Event`` of a file: ``file_version = "brain.Event:2"`` at step 0.
+
+    Example:
+        >>> version_event(0.0)[-len(FILE_VERSION):]
+        b'brain.Event:2'
+    """
     return _event(wall_time, 0, _bytes_field(3, FILE_VERSION.encode()))
 
 
@@ -169,6 +174,11 @@ def encode_events(rows: Iterable[tuple[int, Mapping[str, float]]], *,
       wall_time: Seconds since the epoch of every event, or ``{step: seconds}``
         (a step without one, and the version record, take the earliest given
         time), or None (now).
+
+    Example:
+        >>> data = encode_events([(1, {"loss": 2.0})], wall_time={1: 5.0})
+        >>> len(data) == len(tfrecord(version_event(5.0))) + len(tfrecord(scalar_event(1, {"loss": 2.0}, 5.0)))
+        True
     """
     rows = list(rows)
     if isinstance(wall_time, Mapping):
@@ -198,7 +208,10 @@ def events_file_name(wall_time: float | None = None, host: str | None = None) ->
 
 def write_events(path: str | os.PathLike, rows: Iterable[tuple[int, Mapping[str, float]]], *,
                  wall_time: float | Mapping[int, float] | None = None) -> None:
-    """Writes an event file of ``rows`` (see :func:`encode_events`) atomically and durably."""
+    """Writes an event file of ``rows`` (see :func:`encode_events`) atomically and durably.
+
+    Example: see the module docstring.
+    """
     write_bytes(path, encode_events(rows, wall_time=wall_time))
 
 
@@ -275,6 +288,15 @@ def read_events(path: str | os.PathLike) -> list[dict]:
     Raises:
       FileFormatError: a truncated record or a CRC mismatch (naming the file
         and the record's byte offset), or a malformed protobuf.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "events.out.tfevents.0.x")
+        >>> _ = open(path, "wb").write(encode_events([(7, {"a": 0.5})], wall_time=1.0)[:-1])
+        >>> read_events(path)
+        Traceback (most recent call last):
+        ...
+        pockjax.errors.FileFormatError: ...: record at byte 42: truncated, ...
     """
     with open(path, "rb") as f:
         data = f.read()
