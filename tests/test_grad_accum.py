@@ -113,7 +113,7 @@ def test_bad_accumulation_is_refused(setup, tmp_path, capsys):
     with pytest.raises(ValueError, match="leading axis of 3 micro-batches"):
         step(params, optax.sgd(0.1).init(params), _split(batcher.batch(0)))
     for kw, message in ((dict(grad_accum=0), "--grad-accum must be a whole number >= 1"),
-                        (dict(grad_accum=2, mesh="data=2"), "--grad-accum runs on one device")):
+                        (dict(grad_accum=2, batch_size=3, mesh="data=2"), "--batch-size 3 cannot be split")):
         with pytest.raises(FinetuneError, match=message):
             finetune(FinetuneConfig(**kw), model=llama.Llama(TINY, rngs=nnx.Rngs(0)),
                      tokenizer=llama.Tokenizer.byte_level_for_tests())
@@ -163,3 +163,37 @@ def test_finetune_grad_accum_resumes_bitwise(tmp_path, scheme):
     if scheme == "paper":  # the same rows as one batch of 2: the same losses up to rounding
         big = finetune(_cfg(batch_size=2, scheme=scheme), model=model(), tokenizer=tok, log=lambda s: None)
         np.testing.assert_allclose(full.metrics["losses"], big.metrics["losses"], rtol=1e-5)
+
+
+_MESH_SCRIPT = """
+import json, sys
+from flax import nnx
+from pockjax.models import llama
+from pockjax.train import FinetuneConfig, finetune
+tiny = llama.LlamaConfig.tiny(vocab=259, max_seq_len=256)
+tok = llama.Tokenizer.byte_level_for_tests()
+losses = {}
+for mesh in ("", "data=2", "fsdp=2"):
+    r = finetune(FinetuneConfig(task="uppercase", steps=3, batch_size=2, grad_accum=2, train_examples=16,
+                                eval_examples=0, show=0, progress=False, blocks=1, lr=1e-2, mesh=mesh,
+                                max_seq_len=128),
+                 model=llama.Llama(tiny, rngs=nnx.Rngs(0)), tokenizer=tok, log=lambda s: None)
+    losses[mesh] = r.metrics["losses"]
+json.dump(losses, open(sys.argv[1], "w"))
+"""
+
+
+@pytest.mark.slow  # about 25 s on a 2-core CPU: a subprocess with 2 host devices, three runs
+def test_grad_accum_over_a_mesh_equals_one_device(tmp_path):
+    """--grad-accum with --mesh data=2 / fsdp=2 (each micro-batch split over the devices) trains as on one device."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "losses.json"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(out)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    losses = json.loads(out.read_text())
+    for mesh in ("data=2", "fsdp=2"):
+        np.testing.assert_allclose(losses[mesh], losses[""], rtol=1e-5, err_msg=mesh)

@@ -612,9 +612,6 @@ def _validate(cfg: FinetuneConfig) -> None:
     if cfg.seq_len is not None and cfg.max_seq_len is not None:
         raise FinetuneError(f"--seq-len {cfg.seq_len} pads every row to one length, --max-seq-len"
                             f" {cfg.max_seq_len} each step's rows to their own bucket: give one of them")
-    if cfg.grad_accum > 1 and cfg.mesh:
-        raise FinetuneError("--grad-accum runs on one device for now: leave out --mesh / --devices"
-                            " (or raise --batch-size instead)")
     if cfg.eval_every and not cfg.eval_examples:
         raise FinetuneError("--eval-every computes the loss on the held-out examples: --eval-examples is 0")
     if cfg.eval_every and cfg.mesh:
@@ -887,7 +884,9 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         metrics = {"losses": [], "accuracy_before": None}
     mesh = None
     if cfg.mesh:
-        from pockjax.sharding import batch_axes, make_mesh, shard_batch, shard_train_state
+        from jax.sharding import PartitionSpec
+
+        from pockjax.sharding import batch_axes, make_mesh, shard, shard_batch, shard_train_state
 
         mesh = make_mesh(cfg.mesh)
         params, opt_state = shard_train_state(params, opt_state, mesh)
@@ -941,8 +940,9 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         batch = {k: jnp.asarray(v) for k, v in rows.items()}
         if cfg.grad_accum > 1:  # (K * B, ...) -> (K, B, ...): micro-batch k is rows k*B .. k*B + B - 1
             batch = {k: v.reshape((cfg.grad_accum, cfg.batch_size) + v.shape[1:]) for k, v in batch.items()}
-        if mesh is not None:
-            batch = shard_batch(batch, mesh)
+        if mesh is not None:  # with --grad-accum: each micro-batch split over the devices
+            batch = (shard_batch(batch, mesh) if cfg.grad_accum == 1 else
+                     shard(batch, mesh, {"**": PartitionSpec(None, batch_axes(mesh))}))
         return batch
 
     t = time.time()
