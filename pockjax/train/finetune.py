@@ -138,7 +138,8 @@ class FinetuneConfig:
         ``batch_size`` rows, run one after another inside the compiled step
         (:func:`~pockjax.train.steps.answer_train_step` ``accum``): the update
         of a ``grad_accum * batch_size`` batch with the activation memory of
-        ``batch_size`` rows.
+        ``batch_size`` rows. With ``mesh``, each micro-batch is split over
+        the devices.
       seed: Seed of the data split and the batch order.
       train_examples: Generated training examples (built-in tasks).
       eval_examples: Held-out examples for exact match before and after (0: skip).
