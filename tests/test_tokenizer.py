@@ -93,19 +93,19 @@ def test_byte_level_tokenizer_for_tests_roundtrips_anything():
     assert t.encode("<|im_end|>") == [258]
 
 
-def test_non_bpe_gguf_is_a_clear_error(tmp_path):
+def test_unsupported_gguf_tokenizer_is_a_clear_error(tmp_path):
     import gguf
     import numpy as np
 
-    path = tmp_path / "spm.gguf"
+    path = tmp_path / "wpm.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_tokenizer_model("llama")
+    w.add_tokenizer_model("bert")  # SentencePiece ('llama') is supported: tests/test_gemma3.py
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="tokenizer model 'llama' is not supported"):
+    with pytest.raises(ValueError, match="tokenizer model 'bert' is not supported"):
         llama.load_tokenizer(path)
 
 
