@@ -43,6 +43,7 @@ def _rel(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
+@pytest.mark.slow  # 9-16 s on a 2-core CPU (two compiles)
 def test_accumulated_step_equals_one_large_batch_step(setup):
     """K micro-batches of B rows inside pockjax.compile == jax.jit of one step on the K*B rows (3 steps)."""
     graphdef, params, batcher = setup
@@ -78,6 +79,7 @@ def test_accumulated_step_equals_one_large_batch_step(setup):
             np.testing.assert_array_equal(fa[p], f0[p], err_msg=p)  # frozen: untouched
 
 
+@pytest.mark.slow  # 10-19 s on a 2-core CPU (two compiles)
 def test_passes_run_inside_the_scan_and_prune_frozen_gradients(setup):
     """The default passes rewrite the accumulated step: backward FLOPs as for one B-row step, K times."""
     graphdef, params, batcher = setup
