@@ -90,7 +90,7 @@ def _blockwise(scheme: str, config: Any) -> bool:
     """Whether ``scheme`` trains the last ``blocks`` blocks (its rules change with ``blocks``)."""
     from pockjax.schemes import resolve_scheme
 
-    c = config.replace(n_layers=4)
+    c = config.slice_layers(0, 4)
     return resolve_scheme(scheme, c, blocks=1).rules != resolve_scheme(scheme, c, blocks=2).rules
 
 
@@ -141,7 +141,7 @@ def plan_llama_per_device(config: Any, scheme: str = "full", *, mesh: str = "fsd
         points.append((2, 2) if blockwise else (0, 4))
     compiled = {}
     for frozen, trained in points:
-        c = _placed_step(config.replace(n_layers=frozen + trained), scheme, m, dtype=dtype, batch=batch, seq=seq,
+        c = _placed_step(config.slice_layers(0, frozen + trained), scheme, m, dtype=dtype, batch=batch, seq=seq,
                          blocks=trained if blockwise else blocks)
         compiled[(frozen, trained)] = DeviceMemory.of(c)
         del c

@@ -179,8 +179,8 @@ def answer_positions(batch: dict, window: int) -> Any:
 
     The positions of ``loss_mask`` inside the row's window of ``window``
     positions from ``loss_start`` (and inside the row), as float32 ``(batch,)``:
-    :func:`answer_train_step` weights micro-batches by their sum. Mirrors the
-    window of ``answer_loss``.
+    :func:`answer_train_step` weights micro-batches by their sum. The window
+    is :func:`~pockjax.models.llama.answer_window`, the one ``answer_loss`` reads.
 
     Example:
         >>> import jax.numpy as jnp
@@ -191,10 +191,9 @@ def answer_positions(batch: dict, window: int) -> Any:
     """
     import jax.numpy as jnp
 
-    t = batch["tokens"].shape[-1]
-    idx = batch["loss_start"][:, None] + jnp.arange(window)[None, :]
-    inside = idx < t
-    mask = jnp.take_along_axis(batch["loss_mask"], jnp.minimum(idx, t - 1), axis=1) * inside
+    from pockjax.models.llama.model import answer_window
+
+    _, mask = answer_window(batch, window)
     return jnp.sum(mask.astype(jnp.float32), axis=1)
 
 

@@ -800,12 +800,28 @@ def answer_loss(model: Llama, batch: dict, window: int) -> jax.Array:
       >>> bool(jnp.allclose(windowed, full, atol=1e-6))
       True
     """
-    tokens = batch["tokens"]
-    t = tokens.shape[1]
+    idx, mask = answer_window(batch, window)
+    h_w = model.hidden_states(batch["tokens"], rows=idx)
+    targets = jnp.take_along_axis(batch["targets"], idx, axis=1)
+    return next_token_loss(model.logits_from_hidden(h_w), targets, mask)
+
+
+def answer_window(batch: dict, window: int) -> tuple[jax.Array, jax.Array]:
+    """The positions :func:`answer_loss` reads, and which of them count.
+
+    ``window`` positions from each row's ``loss_start``, clipped to the row
+    (``idx``, int ``(batch, window)``), and ``loss_mask`` at them, zero beyond
+    the row's end (``mask``, ``(batch, window)``).
+
+    Example:
+      >>> batch = {"tokens": jnp.zeros((2, 4), jnp.int32), "loss_start": jnp.array([1, 3]),
+      ...          "loss_mask": jnp.array([[0., 1., 1., 0.], [0., 0., 0., 1.]])}
+      >>> idx, mask = answer_window(batch, window=2)
+      >>> idx.tolist(), mask.tolist()
+      ([[1, 2], [3, 3]], [[1.0, 1.0], [1.0, 0.0]])
+    """
+    t = batch["tokens"].shape[1]
     idx = batch["loss_start"][:, None] + jnp.arange(window)[None, :]
     inside = idx < t
     idx = jnp.minimum(idx, t - 1)
-    h_w = model.hidden_states(tokens, rows=idx)
-    targets = jnp.take_along_axis(batch["targets"], idx, axis=1)
-    mask = jnp.take_along_axis(batch["loss_mask"], idx, axis=1) * inside
-    return next_token_loss(model.logits_from_hidden(h_w), targets, mask)
+    return idx, jnp.take_along_axis(batch["loss_mask"], idx, axis=1) * inside
