@@ -340,3 +340,34 @@ def test_finetune_runs_on_gemma3_270m_from_the_gguf(tmp_path):
     tuned = llama.load_hf_checkpoint(out)
     assert tuned.config.arch == "gemma3" and tuned.config.layer_types == llama.LlamaConfig.gemma3_270m().layer_types
     assert llama.load_tokenizer(out).encode("Hi") == [2, 10979]
+
+
+def test_assembled_file_is_checked_rebuilt_when_corrupt_and_bad_pieces_refused(tmp_path):
+    """The cached join of the pieces is reused only while its SHA-256 holds; wrong pieces raise."""
+    import hashlib
+
+    from pockjax.errors import GGUFError
+    from pockjax.models.llama.pretrained import _VERIFIED, Chunked, assemble_chunks
+
+    pieces = []
+    for name, data in (("p0", b"GGUF" + bytes(100)), ("p1", b"\x01" * 50)):
+        (tmp_path / name).write_bytes(data)
+        pieces.append(str(tmp_path / name))
+    whole = b"GGUF" + bytes(100) + b"\x01" * 50
+    entry = Chunked("m.gguf", (), hashlib.sha256(whole).hexdigest(), len(whole), "reinstall")
+    cache = tmp_path / "cache"
+    out = assemble_chunks(entry, pieces, cache)
+    assert open(out, "rb").read() == whole
+    # a corrupted cache file of the right size is found out (a new process: nothing verified yet) and rebuilt
+    _VERIFIED.discard(out)
+    with open(out, "r+b") as f:
+        f.seek(10)
+        f.write(b"\xff")
+    assert open(assemble_chunks(entry, pieces, cache), "rb").read() == whole
+    # a wrong piece: refused, naming the pieces and the fix, and no file is left at the cache path
+    (tmp_path / "p1").write_bytes(b"\x02" * 50)
+    _VERIFIED.discard(out)
+    os.remove(out)
+    with pytest.raises(GGUFError, match="SHA-256.*reinstall"):
+        assemble_chunks(entry, pieces, cache)
+    assert not os.path.exists(out)

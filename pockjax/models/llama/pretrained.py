@@ -17,6 +17,7 @@ from pockjax.io.gguf import open_gguf
 from pockjax.models.llama.gguf import build_model, read_gguf
 from pockjax.models.llama.hf import load_hf_checkpoint
 from pockjax.models.llama.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
+from pockjax.runtime.module import file_sha256
 
 __all__ = ["PRETRAINED", "Chunked", "assemble_chunks", "load_pretrained", "pretrained_path"]
 
@@ -62,14 +63,6 @@ def _cache_dir() -> str:
     return os.path.join(base, "models")
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def assemble_chunks(entry: Chunked, paths: list, cache_dir: str | os.PathLike | None = None) -> str:
     """Joins the pieces ``paths`` of ``entry`` into one cached file and returns its path.
 
@@ -97,7 +90,7 @@ def assemble_chunks(entry: Chunked, paths: list, cache_dir: str | os.PathLike | 
     path = os.path.join(directory, entry.filename)
     if path in _VERIFIED and os.path.isfile(path) and os.path.getsize(path) == entry.size:
         return path
-    if os.path.isfile(path) and os.path.getsize(path) == entry.size and _sha256(path) == entry.sha256:
+    if os.path.isfile(path) and os.path.getsize(path) == entry.size and file_sha256(path) == entry.sha256:
         _VERIFIED.add(path)
         return path
     os.makedirs(directory, exist_ok=True)
