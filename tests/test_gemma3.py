@@ -14,7 +14,7 @@ from flax import nnx
 
 from pockjax.io.gguf import Typed, write_gguf
 from pockjax.models import llama
-from pockjax.models.llama.export import ExportError, save_gguf
+from pockjax.models.llama.export import ExportError, gguf_tokenizer_metadata, save_gguf
 from pockjax.models.llama.spm import SentencePieceBPE
 from pockjax.models.llama.tokenizer import GEMMA_CHAT_TEMPLATE
 
@@ -169,10 +169,38 @@ def test_unsupported_gemma_files_name_their_key(six_layers, tmp_path):
         llama.read_hf_checkpoint(d)
 
 
-def test_gguf_export_refuses_gemma3(tmp_path):
+@pytest.mark.parametrize("quant, tol", [("f32", 1e-6), ("f16", 5e-3)])
+def test_gemma3_exports_to_gguf_and_reads_back(six_layers, tmp_path, quant, tol):
+    model, _ = six_layers
+    src = str(tmp_path / "src.gguf")
+    _gguf_from_hf(model, src)
+    ours = llama.load_gguf(src)
+    tok = llama.Tokenizer(SentencePieceBPE.for_tests(), bos_id=None, eos_id=1, chat_template=GEMMA_CHAT_TEMPLATE)
+    path = str(tmp_path / f"out.{quant}.gguf")
+    save_gguf(ours, tok, path, quant=quant)
+    back = llama.load_gguf(path)
+    assert back.config == ours.config
+    a, b = np.asarray(ours(jnp.array(IDS))), np.asarray(back(jnp.array(IDS)))
+    assert np.abs(a - b).max() <= tol * np.abs(a).max(), (quant, np.abs(a - b).max())
+    back_tok = llama.load_tokenizer(path)
+    assert back_tok.vocab_size == ours.config.vocab  # padded with unused tokens, one per embedding row
+    for text in ["ab ab", "ba ab\n\nb", "é ab", "<eos>ab"]:
+        assert back_tok.encode(text) == tok.encode(text)
+    assert back_tok.chat_template == GEMMA_CHAT_TEMPLATE and back_tok.eos_id == 1
+
+
+def test_gemma3_gguf_export_refuses_what_llama_cpp_would_run_differently(six_layers, tmp_path):
+    tok = llama.Tokenizer(SentencePieceBPE.for_tests(), bos_id=None, eos_id=1)
     model = nnx.eval_shape(lambda: llama.Llama(llama.LlamaConfig.tiny_gemma3(), rngs=nnx.Rngs(0)))
-    with pytest.raises(ExportError, match="GGUF export of gemma3 models is not supported"):
-        save_gguf(model, None, str(tmp_path / "m.gguf"))
+    with pytest.raises(ExportError, match="not llama.cpp's fixed pattern.*query_pre_attn_scalar 24.0.*safetensors"):
+        save_gguf(model, tok, str(tmp_path / "m.gguf"))
+    src = str(tmp_path / "src.gguf")
+    _gguf_from_hf(six_layers[0], src)
+    cfg = llama.load_gguf(src).config.replace(rope_local_theta=20000.0)
+    model = nnx.eval_shape(lambda: llama.Llama(cfg, rngs=nnx.Rngs(0)))
+    with pytest.raises(ExportError, match="RoPE base 20000.0 is not llama.cpp's 10000.0"):
+        save_gguf(model, tok, str(tmp_path / "m.gguf"))
+    assert not os.path.exists(str(tmp_path / "m.gguf"))
 
 
 # -- the SentencePiece tokenizer -------------------------------------------------------------
@@ -199,6 +227,36 @@ def test_spm_tokenizer_saves_as_an_equivalent_tokenizer_json(tmp_path):
         assert back.decode(tok.encode(text)) == tok.decode(tok.encode(text))
     assert back.render_chat([{"role": "user", "content": "a"}]) == "<start_of_turn>user\na<end_of_turn>\n" \
         "<start_of_turn>model\n"
+
+
+def test_spm_vocabulary_file_guards(tmp_path):
+    spm = SentencePieceBPE.for_tests()
+    d = str(tmp_path / "tok")
+    llama.Tokenizer(spm, bos_id=None, eos_id=1).save(d)
+    spm_file = os.path.join(d, "sentencepiece_vocab.json")
+    assert type(llama.load_tokenizer(d).backend) is SentencePieceBPE
+    # tokenizer.json alone is a SentencePiece model known by merges only: loads, but GGUF needs the scores
+    os.rename(spm_file, spm_file + ".away")
+    merges_only = llama.load_tokenizer(d)
+    assert merges_only.encode("ab ab") == [9, 10]
+    with pytest.raises(ExportError, match="known only by its merges"):
+        gguf_tokenizer_metadata(merges_only)
+    # a vocabulary file that is not tokenizer.json's is refused, not used
+    with open(spm_file + ".away") as f:
+        spec = json.load(f)
+    spec["tokens"][9], spec["tokens"][10] = spec["tokens"][10], spec["tokens"][9]
+    with open(spm_file, "w") as f:
+        json.dump(spec, f)
+    with pytest.raises(llama.TokenizerFileError, match="not those of tokenizer.json"):
+        llama.load_tokenizer(d)
+    spec["scores"] = spec["scores"][:-1]
+    with open(spm_file, "w") as f:
+        json.dump(spec, f)
+    with pytest.raises(llama.TokenizerFileError, match="scores must be a list of 12 numbers"):
+        llama.load_tokenizer(d)
+    # saving another kind of tokenizer into the directory removes the old vocabulary file
+    llama.Tokenizer.byte_level_for_tests().save(d)
+    assert not os.path.exists(spm_file) and llama.load_tokenizer(d).encode("ok") == [111, 107]
 
 
 def _gemma_gguf():
@@ -235,6 +293,26 @@ def test_gemma3_tokenizer_matches_llama_cpp(gemma_tokenizer):
     for text, _ in _fixture_cases():
         assert gemma_tokenizer.encode(text, add_bos=False) == ref.tokenize(text.encode(), add_bos=False,
                                                                             special=True), text
+
+
+def test_gemma3_tokenizer_writes_back_the_shipped_gguf_metadata(gemma_tokenizer, tmp_path):
+    from pockjax.io.gguf import open_gguf
+
+    src = open_gguf(_gemma_gguf()).metadata
+    tok = gemma_tokenizer
+    tok.save(str(tmp_path))  # as a finetune run saves it
+    for t in (tok, llama.load_tokenizer(str(tmp_path))):
+        meta = gguf_tokenizer_metadata(t, len(src["tokenizer.ggml.tokens"]))
+        unwrap = lambda v: v.value if hasattr(v, "kind") else v  # noqa: E731
+        for key in ["model", "tokens", "scores", "token_type", "bos_token_id", "eos_token_id", "unknown_token_id",
+                    "padding_token_id", "add_bos_token", "add_eos_token", "add_space_prefix"]:
+            got, want = unwrap(meta[f"tokenizer.ggml.{key}"]), src[f"tokenizer.ggml.{key}"]
+            if key == "scores":
+                np.testing.assert_array_equal(np.float32(got), np.float32(want))
+            else:
+                assert got == want, key
+        for text, ids in _fixture_cases()[:6]:
+            assert t.encode(text, add_bos=False) == ids
 
 
 def test_gemma3_chat_template_and_end_of_turn(gemma_tokenizer):
@@ -340,6 +418,15 @@ def test_finetune_runs_on_gemma3_270m_from_the_gguf(tmp_path):
     tuned = llama.load_hf_checkpoint(out)
     assert tuned.config.arch == "gemma3" and tuned.config.layer_types == llama.LlamaConfig.gemma3_270m().layer_types
     assert llama.load_tokenizer(out).encode("Hi") == [2, 10979]
+    # the tuned run, exported for llama.cpp (tests/test_llamacpp.py runs such a file in llama.cpp itself)
+    from pockjax.models.llama.export import export_model
+
+    gguf = export_model(out, str(tmp_path / "tuned.gguf"), quant="q8_0")
+    back, back_tok = llama.load_pretrained(gguf)
+    ids = back_tok.encode(PROMPT)
+    assert ids == llama.load_tokenizer(out).encode(PROMPT)
+    a, b = np.asarray(tuned(jnp.array([ids])))[0], np.asarray(back(jnp.array([ids])))[0]
+    assert min(np.corrcoef(x, y)[0, 1] for x, y in zip(a, b)) > 0.999 and a[-1].argmax() == b[-1].argmax()
 
 
 def test_assembled_file_is_checked_rebuilt_when_corrupt_and_bad_pieces_refused(tmp_path):

@@ -53,3 +53,25 @@ def test_llama_cpp_reads_the_tokenizer_and_chat_template(tiny):
     assert llm.tokenize(text.encode(), add_bos=False, special=False) == tok.encode(text, add_bos=False)
     assert llm.metadata["tokenizer.chat_template"] == tok.chat_template
     assert llm.token_eos() == tok.eos_id
+
+
+@pytest.mark.parametrize("q, min_corr", [("f16", 0.99999), ("q8_0", 0.999)])
+def test_llama_cpp_runs_the_exported_gemma3_270m(tmp_path, q, min_corr):
+    import llama_cpp
+
+    from pockjax.models.llama.export import export_model
+
+    prompt = "The capital of France is Paris. The capital of Germany is"
+    path = export_model(llama.pretrained_path("gemma3-270m"), str(tmp_path / f"gemma.{q}.gguf"), quant=q)
+    model, tok = llama.load_pretrained(path)
+    ids = tok.encode(prompt)
+    llm = llama_cpp.Llama(model_path=path, n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    assert llm.tokenize(prompt.encode(), add_bos=True, special=True) == ids
+    llm.eval(ids)
+    theirs = np.array(llm.scores[:len(ids)])
+    ours = np.asarray(model(jnp.array([ids])))[0]
+    assert min(np.corrcoef(a, b)[0, 1] for a, b in zip(ours, theirs)) >= min_corr
+    assert (theirs.argmax(-1) == ours.argmax(-1))[-1]
+    llm.reset()
+    text = llm.create_completion(prompt, max_tokens=4, temperature=0)["choices"][0]["text"]
+    assert text.startswith(" Berlin"), text

@@ -2,8 +2,9 @@
 
 :func:`save_gguf` is the inverse of :func:`pockjax.models.llama.read_gguf`:
 llama.cpp's tensor names, its row order of the Q and K projections
-(:func:`permute_qk`), its metadata keys, the byte-level BPE tokenizer
-(``tokenizer.ggml.*``), in ``F32``, ``F16``, ``Q8_0`` or ``Q4_0``.
+(:func:`permute_qk`), its metadata keys, the byte-level BPE or SentencePiece
+tokenizer (``tokenizer.ggml.*``), in ``F32``, ``F16``, ``Q8_0`` or ``Q4_0``, for
+the ``llama``, ``qwen2`` and ``gemma3`` architectures.
 :func:`export_model` writes either format from a model pockjax loads (a
 ``pockjax finetune`` output directory, a GGUF file, a Hugging Face directory).
 """
@@ -19,6 +20,7 @@ import numpy as np
 from pockjax.errors import PockjaxError
 from pockjax.io.gguf import Typed, write_gguf
 from pockjax.models.llama.config import LlamaConfig, rope_freq_factors
+from pockjax.models.llama.gguf import GEMMA3_TENSORS
 
 __all__ = ["EXPORT_FORMATS", "GGUF_QUANTS", "ExportError", "export_model", "gguf_tokenizer_metadata",
            "permute_qk", "save_gguf"]
@@ -49,16 +51,65 @@ def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, hd // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tokenizer_metadata(tokenizer: Any, vocab: int | None = None) -> dict[str, Any]:
-    """The ``tokenizer.ggml.*`` metadata of a byte-level BPE :class:`~pockjax.models.llama.Tokenizer`.
+def _pad_vocab(tokens: list, types: list, vocab: int | None, unused: int) -> None:
+    """Pads ``tokens`` and ``types`` in place to ``vocab`` with unused ``[PAD<i>]`` tokens."""
+    n = len(tokens)
+    if vocab is not None and vocab < n:
+        raise ExportError(f"the tokenizer has {n} tokens but the model's embedding only {vocab} rows:"
+                          " llama.cpp needs a row for every token")
+    if vocab is not None and vocab > n:
+        tokens += [f"[PAD{i}]" for i in range(n, vocab)]
+        types += [unused] * (vocab - n)
 
-    With ``vocab`` (the model's embedding rows), a shorter vocabulary is padded
-    with unused ``[PAD<i>]`` tokens, as llama.cpp's converter does, since
-    llama.cpp requires one token per row.
+
+def _special_ids_metadata(tokenizer: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    for key, tid in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.eos_id),
+                     ("padding_token_id", tokenizer.pad_id)):
+        if tid is not None:
+            meta[f"tokenizer.ggml.{key}"] = Typed("u32", int(tid))
+    meta["tokenizer.ggml.add_bos_token"] = bool(tokenizer.add_bos)
+    if tokenizer.chat_template:
+        meta["tokenizer.chat_template"] = tokenizer.chat_template
+    return meta
+
+
+def _spm_tokenizer_metadata(tokenizer: Any, vocab: int | None) -> dict[str, Any]:
+    """llama.cpp's ``llama`` (SentencePiece) tokenizer metadata: pieces, scores, types, as it reads them."""
+    from pockjax.models.llama.spm import _UNUSED
+
+    b = tokenizer.backend
+    tokens, types, scores = list(b.tokens), list(b.types), list(b.scores)
+    _pad_vocab(tokens, types, vocab, _UNUSED)
+    scores += [0.0] * (len(tokens) - len(scores))
+    meta: dict[str, Any] = {
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": Typed("f32", scores),
+        "tokenizer.ggml.token_type": Typed("i32", types),
+        "tokenizer.ggml.add_space_prefix": bool(b.add_space_prefix),
+        "tokenizer.ggml.add_eos_token": False,
+    }
+    if b.unk_id is not None:
+        meta["tokenizer.ggml.unknown_token_id"] = Typed("u32", int(b.unk_id))
+    meta.update(_special_ids_metadata(tokenizer))
+    return meta
+
+
+def gguf_tokenizer_metadata(tokenizer: Any, vocab: int | None = None) -> dict[str, Any]:
+    """The ``tokenizer.ggml.*`` metadata of a :class:`~pockjax.models.llama.Tokenizer`.
+
+    A byte-level BPE tokenizer is written as llama.cpp's ``gpt2`` model (its
+    merges and pre-tokenizer name), a SentencePiece-BPE one
+    (:class:`~pockjax.models.llama.spm.SentencePieceBPE`, e.g. Gemma 3's, also
+    after a ``pockjax finetune`` saved it) as its ``llama`` model (pieces,
+    scores and types). With ``vocab`` (the model's embedding rows), a shorter
+    vocabulary is padded with unused ``[PAD<i>]`` tokens, as llama.cpp's
+    converter does, since llama.cpp requires one token per row.
 
     Raises:
-      ExportError: a tokenizer llama.cpp's ``gpt2`` model cannot describe
-        (not BPE, or a pre-tokenizer it has no name for).
+      ExportError: a tokenizer llama.cpp cannot describe (a ``tokenizer.json``
+        that is not BPE, a pre-tokenizer it has no name for, or a
+        SentencePiece model known only by its merges).
 
     Example:
       >>> from pockjax.models.llama import Tokenizer
@@ -66,13 +117,21 @@ def gguf_tokenizer_metadata(tokenizer: Any, vocab: int | None = None) -> dict[st
       >>> meta["tokenizer.ggml.model"], meta["tokenizer.ggml.pre"], len(meta["tokenizer.ggml.tokens"])
       ('gpt2', 'gpt-2', 259)
     """
+    from pockjax.models.llama.spm import SentencePieceBPE
     from pockjax.models.llama.tokenizer import _CONTROL, _NORMAL, _UNUSED, _USER_DEFINED, _pre_tokenizer
 
+    if isinstance(tokenizer.backend, SentencePieceBPE):
+        return _spm_tokenizer_metadata(tokenizer, vocab)
     spec = json.loads(tokenizer.backend.to_str())
     model = spec.get("model") or {}
     if model.get("type") != "BPE":
-        raise ExportError(f"GGUF export writes byte-level BPE tokenizers ('gpt2'); this one is"
-                          f" {model.get('type')!r}")
+        raise ExportError(f"GGUF export writes byte-level BPE ('gpt2') and SentencePiece ('llama') tokenizers;"
+                          f" this one is {model.get('type')!r}")
+    if model.get("byte_fallback"):
+        raise ExportError("GGUF export: this tokenizer.json is a SentencePiece model known only by its merges;"
+                          " llama.cpp needs the pieces' scores, which a tokenizer saved by pockjax keeps in"
+                          " sentencepiece_vocab.json beside it (load the model from its GGUF file, or from a"
+                          " directory pockjax saved)")
     mine = tokenizer.backend.pre_tokenizer.__getstate__() if tokenizer.backend.pre_tokenizer else None
     pre = next((name for kind, name in _PRE_NAMES.items() if _pre_tokenizer(name).__getstate__() == mine), None)
     if pre is None:
@@ -85,25 +144,14 @@ def gguf_tokenizer_metadata(tokenizer: Any, vocab: int | None = None) -> dict[st
     types = [_NORMAL] * n
     for added in spec.get("added_tokens", []):
         types[added["id"]] = _CONTROL if added.get("special") else _USER_DEFINED
-    if vocab is not None and vocab < n:
-        raise ExportError(f"the tokenizer has {n} tokens but the model's embedding only {vocab} rows:"
-                          " llama.cpp needs a row for every token")
-    if vocab is not None and vocab > n:
-        tokens += [f"[PAD{i}]" for i in range(n, vocab)]
-        types += [_UNUSED] * (vocab - n)
+    _pad_vocab(tokens, types, vocab, _UNUSED)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     meta: dict[str, Any] = {
         "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
         "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": Typed("i32", types),
         "tokenizer.ggml.merges": merges,
     }
-    for key, tid in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.eos_id),
-                     ("padding_token_id", tokenizer.pad_id)):
-        if tid is not None:
-            meta[f"tokenizer.ggml.{key}"] = Typed("u32", int(tid))
-    meta["tokenizer.ggml.add_bos_token"] = bool(tokenizer.add_bos)
-    if tokenizer.chat_template:
-        meta["tokenizer.chat_template"] = tokenizer.chat_template
+    meta.update(_special_ids_metadata(tokenizer))
     return meta
 
 
@@ -153,7 +201,8 @@ def save_gguf(model: Any, tokenizer: Any, path: str | os.PathLike, *, quant: str
 
     Raises:
       ExportError: an unknown ``quant``, a tokenizer GGUF cannot describe, or
-        a ``gemma3`` model (not written as GGUF yet).
+        a ``gemma3`` model that llama.cpp would run differently (a layer
+        pattern, local RoPE base or query scale other than llama.cpp's).
 
     Example:
       >>> import tempfile
@@ -169,11 +218,13 @@ def save_gguf(model: Any, tokenizer: Any, path: str | os.PathLike, *, quant: str
         raise ExportError(f"unknown GGUF quantization {quant!r}; use one of {', '.join(GGUF_QUANTS)}")
     qtype = GGUF_QUANTS[quant]
     cfg: LlamaConfig = model.config
-    if cfg.arch not in ("llama", "qwen2"):
-        raise ExportError(f"GGUF export of {cfg.arch} models is not supported (pockjax writes llama and"
-                          f" qwen2 GGUF files); export it with --format safetensors, a Hugging Face"
+    if cfg.arch not in ("llama", "qwen2", "gemma3"):
+        raise ExportError(f"GGUF export of {cfg.arch} models is not supported (pockjax writes llama, qwen2"
+                          f" and gemma3 GGUF files); export it with --format safetensors, a Hugging Face"
                           f" directory that llama.cpp's convert_hf_to_gguf.py converts")
-    a = cfg.arch  # the metadata keys' prefix: llama.* or qwen2.*
+    if cfg.arch == "gemma3":
+        _check_gemma3_for_llama_cpp(cfg)
+    a = cfg.arch  # the metadata keys' prefix: llama.*, qwen2.* or gemma3.*
     meta: dict[str, Any] = {
         "general.architecture": a, "general.name": name,
         "general.file_type": Typed("u32", _FILE_TYPES[qtype]),
@@ -192,6 +243,8 @@ def save_gguf(model: Any, tokenizer: Any, path: str | os.PathLike, *, quant: str
     if cfg.head_dim_ != cfg.dim // cfg.n_heads:
         meta[f"{a}.attention.key_length"] = Typed("u32", cfg.head_dim_)
         meta[f"{a}.attention.value_length"] = Typed("u32", cfg.head_dim_)
+    if a == "gemma3":
+        meta[f"{a}.attention.sliding_window"] = Typed("u32", cfg.sliding_window)
     # llama.cpp's Q/K row order for 'llama' files; Qwen2 files keep Hugging Face's
     q_rows = (lambda w: permute_qk(w, cfg.n_heads)) if a == "llama" else (lambda w: w)
     k_rows = (lambda w: permute_qk(w, cfg.n_kv_heads)) if a == "llama" else (lambda w: w)
@@ -218,11 +271,43 @@ def save_gguf(model: Any, tokenizer: Any, path: str | os.PathLike, *, quant: str
             _matrix(f"blk.{i}.ffn_up.weight", at("mlp.w3.kernel").T, qtype),
             _matrix(f"blk.{i}.ffn_down.weight", at("mlp.w2.kernel").T, qtype),
         ]
+        if a == "gemma3":  # the extra norms, each stored as 1 + w by llama.cpp and pockjax alike
+            tensors += [vector(f"blk.{i}.{name}.weight", at(path)) for name, path in GEMMA3_TENSORS.items()]
         if cfg.qkv_bias:
             tensors += [vector(f"blk.{i}.attn_q.bias", q_rows(at("attn.wq.bias"))),
                         vector(f"blk.{i}.attn_k.bias", k_rows(at("attn.wk.bias"))),
                         vector(f"blk.{i}.attn_v.bias", at("attn.wv.bias"))]
     write_gguf(path, meta, tensors)
+
+
+def _check_gemma3_for_llama_cpp(cfg: LlamaConfig) -> None:
+    """Refuses a Gemma 3 config that llama.cpp would run differently from pockjax.
+
+    A ``gemma3`` GGUF file holds no layer pattern, local RoPE base or query
+    scale: llama.cpp fixes them for the architecture (as
+    :func:`~pockjax.models.llama.gguf.read_gguf` does when it reads one), so a
+    config that differs would load and run, wrongly.
+    """
+    from pockjax.models.llama.gguf import GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_ROPE_BASE
+
+    pattern = tuple("full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
+                    for i in range(cfg.n_layers))
+    scalar = cfg.dim // cfg.n_heads if cfg.n_layers == 62 else cfg.head_dim_
+    problems = []
+    if tuple(cfg.layer_types or ()) != pattern:
+        problems.append(f"its layer types {list(cfg.layer_types or ())} are not llama.cpp's fixed pattern"
+                        f" (every {GEMMA3_GLOBAL_EVERY}th layer full attention, the others sliding)")
+    if float(cfg.rope_local_theta) != GEMMA3_LOCAL_ROPE_BASE:
+        problems.append(f"its sliding layers' RoPE base {cfg.rope_local_theta} is not llama.cpp's"
+                        f" {GEMMA3_LOCAL_ROPE_BASE}")
+    if float(cfg.query_pre_attn_scalar) != float(scalar):
+        problems.append(f"its query_pre_attn_scalar {cfg.query_pre_attn_scalar} is not the {scalar} llama.cpp"
+                        f" uses for this shape")
+    if cfg.rope_scaling is not None:
+        problems.append("it uses RoPE scaling")
+    if problems:
+        raise ExportError("this Gemma 3 model cannot be written as GGUF: llama.cpp would run it differently, since "
+                          + "; ".join(problems) + ". Export it with --format safetensors instead")
 
 
 def export_model(source: str, out: str, *, format: str = "gguf", quant: str = "f16") -> str:
@@ -239,7 +324,7 @@ def export_model(source: str, out: str, *, format: str = "gguf", quant: str = "f
 
     Raises:
       ExportError: an unknown format, a quantization the format cannot hold,
-        or a ``gemma3`` model to GGUF.
+        or a model or tokenizer the GGUF format cannot describe (see :func:`save_gguf`).
     """
     from pockjax.models.llama import load_pretrained, save_hf_checkpoint
 

@@ -276,7 +276,7 @@ def _gemma3_fields(reader: GGUFFile, cfg: LlamaConfig) -> LlamaConfig:
 
 
 # Gemma 3's extra norms (llama.cpp's names; each stores 1 + w, as pockjax does).
-_GEMMA3_TENSORS = {
+GEMMA3_TENSORS = {
     "attn_q_norm": "attn.q_norm.scale", "attn_k_norm": "attn.k_norm.scale",
     "post_attention_norm": "post_attn_norm.scale", "post_ffw_norm": "post_mlp_norm.scale",
 }
@@ -317,7 +317,7 @@ def _target(path: str, name: str, cfg: LlamaConfig
             "ffn_down": ("mlp.w2.kernel", lambda w: w.T),
         }
         if cfg.arch == "gemma3":
-            per_block.update({k: (v, lambda w: w) for k, v in _GEMMA3_TENSORS.items()})
+            per_block.update({k: (v, lambda w: w) for k, v in GEMMA3_TENSORS.items()})
         if kind in per_block and i < cfg.n_layers:
             path, fn = per_block[kind]
             return f"layers.{i}.{path}", fn

@@ -19,8 +19,13 @@ from pockjax.io.atomic import write_json, write_text
 from pockjax.io.gguf import GGUFFile, open_gguf
 from pockjax.io.tokenizer_json import read_tokenizer_config, read_tokenizer_json
 
-__all__ = ["GEMMA_CHAT_TEMPLATE", "Tokenizer", "load_tokenizer", "tokenizer_from_gguf",
+__all__ = ["GEMMA_CHAT_TEMPLATE", "SPM_VOCAB_FILE", "Tokenizer", "load_tokenizer", "tokenizer_from_gguf",
            "tokenizer_from_hf_dir", "render_chatml", "render_gemma"]
+
+#: Written beside ``tokenizer.json`` by :meth:`Tokenizer.save` for a SentencePiece-BPE tokenizer:
+#: its exact pieces, scores and types (``tokenizer.json`` holds BPE merges, not scores), read back
+#: by :func:`tokenizer_from_hf_dir` and needed to write the tokenizer into a GGUF file.
+SPM_VOCAB_FILE = "sentencepiece_vocab.json"
 
 # llama.cpp token types (gguf.TokenType).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -285,8 +290,17 @@ class Tokenizer:
         config = {"bos_token": name(self.bos_id), "eos_token": name(self.eos_id),
                   "pad_token": name(self.pad_id), "add_bos_token": self.add_bos,
                   "chat_template": self.chat_template}
+        from pockjax.models.llama.spm import SentencePieceBPE
+
         write_text(os.path.join(path, "tokenizer.json"), self.backend.to_str())
         write_json(os.path.join(path, "tokenizer_config.json"), config, indent=1)
+        spm_file = os.path.join(path, SPM_VOCAB_FILE)
+        if isinstance(self.backend, SentencePieceBPE):
+            b = self.backend
+            write_json(spm_file, {"tokens": b.tokens, "scores": b.scores, "types": b.types, "unk_id": b.unk_id,
+                                  "add_space_prefix": b.add_space_prefix}, indent=None)
+        elif os.path.exists(spm_file):  # an earlier tokenizer's: it would be read instead of this one
+            os.remove(spm_file)
 
     @classmethod
     def byte_level_for_tests(cls) -> "Tokenizer":
@@ -378,6 +392,51 @@ def _is_str_list(x: Any) -> bool:
     return isinstance(x, list) and all(isinstance(t, str) for t in x)
 
 
+def _check_vocabulary(source: str, tokens: Any, types: Any, tokens_key: str, types_key: str) -> None:
+    if not _is_str_list(tokens) or not tokens:
+        raise TokenizerFileError(f"{source}: {tokens_key} must be a non-empty list of strings")
+    if len(set(tokens)) != len(tokens):
+        raise TokenizerFileError(f"{source}: {tokens_key} lists a token twice")
+    if types is not None and not (isinstance(types, list) and len(types) == len(tokens)
+                                  and all(type(t) is int for t in types)):
+        raise TokenizerFileError(f"{source}: {types_key} must be a list of {len(tokens)} integers, one per token")
+
+
+def _spm_backend(source: str, tokens: list, scores: Any, types: Any, unk: Any, add_space_prefix: Any,
+                 prefix: str) -> Any:
+    """A checked :class:`~pockjax.models.llama.spm.SentencePieceBPE` (tokens and types already checked)."""
+    from pockjax.models.llama.spm import SentencePieceBPE
+
+    if not (isinstance(scores, list) and len(scores) == len(tokens)
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores)):
+        raise TokenizerFileError(f"{source}: {prefix}scores must be a list of {len(tokens)} numbers, one per token")
+    unk_key = "unknown_token_id" if prefix else "unk_id"
+    if unk is not None and not (type(unk) is int and 0 <= unk < len(tokens)):
+        raise TokenizerFileError(f"{source}: {prefix}{unk_key} {unk!r} is not a token id")
+    if not isinstance(add_space_prefix, bool):
+        raise TokenizerFileError(f"{source}: {prefix}add_space_prefix must be true or false, got {add_space_prefix!r}")
+    return SentencePieceBPE(tokens, scores, types, unk_id=unk, add_space_prefix=add_space_prefix)
+
+
+def _spm_from_vocab_file(path: str, hf_backend: Any) -> Any:
+    """The SentencePiece-BPE backend of :data:`SPM_VOCAB_FILE`, checked against ``tokenizer.json``'s vocabulary."""
+    from pockjax.io.jsonfile import read_json_object
+
+    spec = read_json_object(path, error=TokenizerFileError, what="SentencePiece vocabulary")
+    unknown = set(spec) - {"tokens", "scores", "types", "unk_id", "add_space_prefix"}
+    if unknown or not {"tokens", "scores"} <= set(spec):
+        raise TokenizerFileError(f"{path}: expected the keys tokens, scores and optionally types, unk_id,"
+                                 f" add_space_prefix; got {sorted(spec)}")
+    _check_vocabulary(path, spec["tokens"], spec.get("types"), "tokens", "types")
+    backend = _spm_backend(path, spec["tokens"], spec["scores"], spec.get("types"), spec.get("unk_id"),
+                           spec.get("add_space_prefix", False), "")
+    if hf_backend.get_vocab(with_added_tokens=True) != backend.vocab:
+        raise TokenizerFileError(f"{path}: its pieces are not those of tokenizer.json beside it (one of the two"
+                                 f" was replaced); save the tokenizer again, or delete {SPM_VOCAB_FILE} to use"
+                                 f" tokenizer.json alone")
+    return backend
+
+
 def tokenizer_from_gguf(reader: GGUFFile) -> Tokenizer:
     """Builds the :class:`Tokenizer` described by an open GGUF file's metadata.
 
@@ -407,17 +466,9 @@ def tokenizer_from_gguf(reader: GGUFFile) -> Tokenizer:
     tokens = reader.get("tokenizer.ggml.tokens")
     merges = reader.get("tokenizer.ggml.merges", [])
     types = reader.get("tokenizer.ggml.token_type")
-    if not _is_str_list(tokens) or not tokens:
-        raise TokenizerFileError(f"{source}: tokenizer.ggml.tokens must be a non-empty list"
-                                 f" of strings")
-    if len(set(tokens)) != len(tokens):
-        raise TokenizerFileError(f"{source}: tokenizer.ggml.tokens lists a token twice")
+    _check_vocabulary(source, tokens, types, "tokenizer.ggml.tokens", "tokenizer.ggml.token_type")
     if not _is_str_list(merges):
         raise TokenizerFileError(f"{source}: tokenizer.ggml.merges must be a list of strings")
-    if types is not None and not (isinstance(types, list) and len(types) == len(tokens)
-                                  and all(type(t) is int for t in types)):
-        raise TokenizerFileError(f"{source}: tokenizer.ggml.token_type must be a list of"
-                                 f" {len(tokens)} integers, one per token")
     ids = {}
     for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
         tid = reader.get(f"tokenizer.ggml.{key}")
@@ -429,18 +480,9 @@ def tokenizer_from_gguf(reader: GGUFFile) -> Tokenizer:
     if template is not None and not isinstance(template, str):
         raise TokenizerFileError(f"{source}: tokenizer.chat_template must be a string")
     if model == "llama":
-        from pockjax.models.llama.spm import SentencePieceBPE
-
-        scores = reader.get("tokenizer.ggml.scores")
-        if not (isinstance(scores, list) and len(scores) == len(tokens)
-                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores)):
-            raise TokenizerFileError(f"{source}: tokenizer.ggml.scores must be a list of {len(tokens)}"
-                                     f" numbers, one per token")
-        unk = reader.get("tokenizer.ggml.unknown_token_id")
-        if unk is not None and not (type(unk) is int and 0 <= unk < len(tokens)):
-            raise TokenizerFileError(f"{source}: tokenizer.ggml.unknown_token_id {unk!r} is not a token id")
-        backend = SentencePieceBPE(tokens, scores, types, unk_id=unk,
-                                   add_space_prefix=bool(reader.get("tokenizer.ggml.add_space_prefix", True)))
+        backend = _spm_backend(source, tokens, reader.get("tokenizer.ggml.scores"), types,
+                               reader.get("tokenizer.ggml.unknown_token_id"),
+                               reader.get("tokenizer.ggml.add_space_prefix", True), "tokenizer.ggml.")
         if template is None and "<start_of_turn>" in backend.vocab:
             template = GEMMA_CHAT_TEMPLATE
     else:
@@ -475,6 +517,9 @@ def tokenizer_from_hf_dir(path: str | os.PathLike) -> Tokenizer:
     if not os.path.isfile(tj):
         raise FileMissingError(f"no tokenizer.json in {path}")
     backend = read_tokenizer_json(tj)
+    spm_file = os.path.join(path, SPM_VOCAB_FILE)
+    if os.path.isfile(spm_file):  # the exact SentencePiece tokenizer tokenizer.json stands in for
+        backend = _spm_from_vocab_file(spm_file, backend)
     cj = os.path.join(path, "tokenizer_config.json")
     cfg = read_tokenizer_config(cj) if os.path.isfile(cj) else {}
 
