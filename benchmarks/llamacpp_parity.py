@@ -25,8 +25,10 @@ def llamacpp_answers(path: str, tokenizer, examples, max_new: int) -> list[str]:
     """Greedy llama.cpp answers to ``examples`` (prompts tokenized by pockjax's tokenizer, as pockjax's eval)."""
     import llama_cpp
 
+    from pockjax.data.batching import end_of_turn_id
+
     llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_threads=os.cpu_count(), verbose=False, seed=0)
-    eos = {tokenizer.eos_id, llm.token_eos()}
+    eos = {tokenizer.eos_id, llm.token_eos(), end_of_turn_id(tokenizer)}  # Gemma's turns end <end_of_turn>
     answers = []
     for ex in examples:
         ids = tokenizer.apply_chat_template(ex.messages())

@@ -160,18 +160,14 @@ def _float_params(model: Any) -> dict[str, np.ndarray]:
     from pockjax import quant
     from pockjax.models.llama.mixed import LlamaWeights
     from pockjax.models.llama.model import flatten_params, split
+    from pockjax.models.llama.weights import unstack_layers
 
     params = model.params if isinstance(model, LlamaWeights) else split(model)[1]
     flat = {}
     for path, v in flatten_params(params).items():
         v = quant.dequantize(v, np.float32) if quant.is_qtensor(v) else v
         flat[path] = np.asarray(v, np.float32)
-    if model.config.scan_layers:
-        for path in [p for p in flat if p.startswith("layers.")]:
-            stacked = flat.pop(path)
-            for i in range(model.config.n_layers):
-                flat[f"layers.{i}.{path[len('layers.'):]}"] = stacked[i]
-    return flat
+    return unstack_layers(flat, model.config.n_layers) if model.config.scan_layers else flat
 
 
 def _matrix(name: str, w: np.ndarray, qtype: str):

@@ -316,6 +316,7 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike, *, dtype: Any = np.f
     from pockjax import quant
     from pockjax.io.safetensors import LazyTensor
     from pockjax.models.llama.mixed import LlamaWeights
+    from pockjax.models.llama.weights import unstack_layers
 
     cfg: LlamaConfig = model.config
     os.makedirs(path, exist_ok=True)
@@ -333,14 +334,7 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike, *, dtype: Any = np.f
             return LazyTensor(v.shape, np.float32, lambda: np.asarray(quant.dequantize(v, np.float32)))
         return v
     if cfg.scan_layers:
-        unstacked = {}
-        for k, v in flat.items():
-            if k.startswith("layers."):
-                for i in range(cfg.n_layers):
-                    unstacked[f"layers.{i}.{k[len('layers.'):]}"] = v[i]
-            else:
-                unstacked[k] = v
-        flat = unstacked
+        flat = unstack_layers(flat, cfg.n_layers)
     inverse = {target: (leaf, t) for leaf, (target, t) in _hf_names(cfg).items()}
     if cfg.arch == "gemma3":  # Hugging Face stores w of Gemma's (1 + w) norms
         flat = {k: np.asarray(v, np.float32) - np.float32(1) if k.endswith("norm.scale") else v

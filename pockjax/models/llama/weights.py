@@ -14,7 +14,7 @@ import numpy as np
 from pockjax.errors import ModelFileError
 from pockjax.models.llama.config import LlamaConfig
 
-__all__ = ["build_model", "check_params", "config_from_fields", "expected_shapes"]
+__all__ = ["build_model", "check_params", "config_from_fields", "expected_shapes", "unstack_layers"]
 
 
 def config_from_fields(source: str | os.PathLike, error: type[ModelFileError],
@@ -77,6 +77,24 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             shapes.update({p + "attn.wq.bias": (cfg.n_heads * hd,), p + "attn.wk.bias": (cfg.n_kv_heads * hd,),
                            p + "attn.wv.bias": (cfg.n_kv_heads * hd,)})
     return shapes
+
+
+def unstack_layers(flat: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """Flat params of a ``scan_layers`` model (``layers.<name>`` stacked on axis 0) per layer: ``layers.<i>.<name>``.
+
+    Example:
+      >>> import numpy as np
+      >>> sorted(unstack_layers({"layers.w": np.zeros((2, 3)), "norm.scale": np.ones(3)}, 2))
+      ['layers.0.w', 'layers.1.w', 'norm.scale']
+    """
+    out: dict[str, Any] = {}
+    for k, v in flat.items():
+        if k.startswith("layers."):
+            for i in range(n_layers):
+                out[f"layers.{i}.{k[len('layers.'):]}"] = v[i]
+        else:
+            out[k] = v
+    return out
 
 
 def check_params(source: str | os.PathLike, cfg: LlamaConfig, params: dict[str, Any],
