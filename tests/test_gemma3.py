@@ -24,14 +24,17 @@ IDS = [[2, 5, 9, 22, 7, 3, 64, 1, 100, 31, 17], [2, 8, 8, 40, 41, 42, 7, 99, 12,
 LAYER_TYPES = ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]
 
 
-def _hf_gemma3(layers=LAYER_TYPES, query_pre_attn_scalar=24, seed=0):
+def _hf_gemma3(layers=LAYER_TYPES, query_pre_attn_scalar=24, seed=0, linear_rope=None):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(seed)
+    extra = {} if linear_rope is None else {"rope_parameters": {  # Gemma 3 4B-27B: the full layers' positions / 8
+        "full_attention": {"rope_type": "linear", "factor": linear_rope, "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
     config = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=len(layers),
                               num_attention_heads=4, num_key_value_heads=2, head_dim=32,  # head_dim != 64 / 4
                               sliding_window=3, query_pre_attn_scalar=query_pre_attn_scalar,
-                              layer_types=list(layers), max_position_embeddings=64)
+                              layer_types=list(layers), max_position_embeddings=64, **extra)
     model = Gemma3ForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():  # norm weights are zeros at init: make them matter
@@ -149,6 +152,42 @@ def test_gguf_as_llama_cpp_converts_it_matches_transformers(six_layers, tmp_path
     assert cfg.arch == "gemma3" and cfg.is_sliding(0) and not cfg.is_sliding(5)
     assert cfg.rope_local_theta == 10000.0 and cfg.query_pre_attn_scalar == 32
     np.testing.assert_allclose(np.asarray(ours(jnp.array(IDS))), ref, atol=1e-4)
+
+
+def test_linear_rope_scaling_of_the_full_layers_matches_transformers(tmp_path):
+    model = _hf_gemma3(layers=["sliding_attention"] * 5 + ["full_attention"], query_pre_attn_scalar=32, seed=2,
+                       linear_rope=8.0)
+    with torch.no_grad():
+        ref = model(torch.tensor(IDS)).logits.numpy()
+    d = str(tmp_path / "hf")
+    model.save_pretrained(d)
+    for scan in (False, True):
+        ours = llama.load_hf_checkpoint(d, scan_layers=scan)
+        assert ours.config.rope_scaling == ("linear", 8.0)
+        np.testing.assert_allclose(np.asarray(ours(jnp.array(IDS))), ref, atol=1e-4)
+    plain = llama.load_hf_checkpoint(d, rope_scaling=None)  # the scaling matters here
+    assert np.abs(np.asarray(plain(jnp.array(IDS))) - ref).max() > 1e-2
+    # decoding one token at a time with a KV cache scales the same positions
+    cache = llama.init_cache(ours.config, 2, 16)
+    valid = jnp.arange(16)[None].repeat(2, 0) < len(IDS[0])
+    logits, cache = ours.decode(jnp.array(IDS)[:, :10], jnp.arange(10)[None].repeat(2, 0), cache, 0, valid)
+    last, _ = ours.decode(jnp.array(IDS)[:, 10:], jnp.full((2, 1), 10), cache, jnp.int32(10), valid)
+    np.testing.assert_allclose(np.asarray(last)[:, -1], ref[:, -1], atol=1e-4)
+    # written back: a Hugging Face directory transformers reads, and GGUF as llama.cpp reads it
+    out = str(tmp_path / "out")
+    llama.save_hf_checkpoint(ours, out)
+    full = json.load(open(os.path.join(out, "config.json")))["rope_parameters"]["full_attention"]
+    assert full["rope_type"] == "linear" and full["factor"] == 8.0
+    from transformers import Gemma3ForCausalLM
+
+    with torch.no_grad():
+        again = Gemma3ForCausalLM.from_pretrained(out).eval()(torch.tensor(IDS)).logits.numpy()
+    np.testing.assert_allclose(again, ref, atol=1e-4)
+    path = str(tmp_path / "g.gguf")
+    save_gguf(ours, llama.Tokenizer(SentencePieceBPE.for_tests(), bos_id=None, eos_id=1), path, quant="f32")
+    back = llama.load_gguf(path)
+    assert back.config == ours.config.replace(scan_layers=False)
+    np.testing.assert_allclose(np.asarray(back(jnp.array(IDS))), ref, atol=1e-4)
 
 
 def test_unsupported_gemma_files_name_their_key(six_layers, tmp_path):

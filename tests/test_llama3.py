@@ -67,3 +67,31 @@ def test_unsupported_rope_scaling_is_named(tmp_path):
         json.dump({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, f)
     with pytest.raises(llama.UnsupportedModelError, match="RoPE scaling 'yarn' is not supported"):
         llama.read_hf_checkpoint(str(tmp_path))
+
+
+def test_linear_rope_scaling_matches_transformers_and_round_trips(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=272, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         rope_scaling={"rope_type": "linear", "factor": 4.0})
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor(IDS)).logits.numpy()
+    d = str(tmp_path / "hf")
+    model.save_pretrained(d)
+    ours = llama.load_hf_checkpoint(d)
+    assert ours.config.rope_scaling == ("linear", 4.0)
+    np.testing.assert_allclose(np.asarray(ours(jnp.array(IDS))), ref, atol=1e-4)
+    assert np.abs(np.asarray(llama.load_hf_checkpoint(d, rope_scaling=None)(jnp.array(IDS))) - ref).max() > 1e-3
+    out = str(tmp_path / "out")
+    llama.save_hf_checkpoint(ours, out)
+    assert json.load(open(os.path.join(out, "config.json")))["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    path = str(tmp_path / "m.gguf")
+    save_gguf(ours, llama.Tokenizer.byte_level_for_tests(), path, quant="f32")
+    back = llama.load_gguf(path)
+    assert back.config.rope_scaling == ("linear", 4.0)
+    np.testing.assert_allclose(np.asarray(back(jnp.array(IDS))), ref, atol=1e-4)
+    with pytest.raises(ValueError, match="all positive"):
+        ours.config.replace(rope_scaling=("linear", 0.0))

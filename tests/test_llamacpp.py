@@ -75,3 +75,35 @@ def test_llama_cpp_runs_the_exported_gemma3_270m(tmp_path, q, min_corr):
     llm.reset()
     text = llm.create_completion(prompt, max_tokens=4, temperature=0)["choices"][0]["text"]
     assert text.startswith(" Berlin"), text
+
+
+def test_llama_cpp_scales_gemma3_full_layers_like_pockjax(tmp_path):
+    """Gemma 3 4B-27B's linear RoPE scaling of the full-attention layers, exported and run in llama.cpp."""
+    import sys
+
+    import llama_cpp
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_gemma3 import IDS as GEMMA_IDS, _hf_gemma3
+
+    from pockjax.models.llama.spm import SentencePieceBPE
+
+    hf = _hf_gemma3(layers=["sliding_attention"] * 5 + ["full_attention"], query_pre_attn_scalar=32, seed=2,
+                    linear_rope=8.0)
+    d = str(tmp_path / "hf")
+    hf.save_pretrained(d)
+    tok = llama.Tokenizer(SentencePieceBPE.for_tests(), bos_id=None, eos_id=1)
+    ids = GEMMA_IDS[0]
+    logits = {}
+    for name, model in (("scaled", llama.load_hf_checkpoint(d)), ("plain", llama.load_hf_checkpoint(d, rope_scaling=None))):
+        path = str(tmp_path / f"{name}.gguf")
+        save_gguf(model, tok, path, quant="f32")
+        llm = llama_cpp.Llama(model_path=path, n_ctx=32, logits_all=True, verbose=False, n_threads=2)
+        llm.eval(ids)
+        logits[name] = (np.asarray(model(jnp.array([ids])))[0], np.array(llm.scores[:len(ids)]))
+        llm.close()
+    ours, theirs = logits["scaled"]
+    scale = np.abs(ours).max()
+    assert np.abs(theirs - ours).max() <= 3e-3 * scale
+    # and the scaling is what llama.cpp applied: far from the unscaled model's logits
+    assert np.abs(theirs - logits["plain"][0]).max() > 5 * np.abs(theirs - ours).max()

@@ -38,8 +38,10 @@ class LlamaConfig:
         qkv_bias: Whether the Q, K and V projections have biases (Qwen2).
         rope_scaling: RoPE frequency scaling: ``None``, Llama 3's
           ``("llama3", factor, low_freq_factor, high_freq_factor,
-          original_max_position_embeddings)``, or ``("factors", f_0, ...)``
-          (each frequency divided by its f_i, as GGUF's ``rope_freqs``).
+          original_max_position_embeddings)``, ``("linear", factor)`` (every
+          frequency divided by ``factor``: positions interpolated; Gemma 3
+          4B-27B, on their full-attention layers only), or ``("factors", f_0,
+          ...)`` (each frequency divided by its f_i, as GGUF's ``rope_freqs``).
           See :func:`rope_freq_factors`.
         arch: The architecture the weights come from and export to:
           ``llama``, ``qwen2`` (LLaMA with Q/K/V biases; no row permutation
@@ -108,11 +110,15 @@ class LlamaConfig:
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))  # a JSON list reads back
             kind = self.rope_scaling[0] if self.rope_scaling else None
-            if kind not in ("llama3", "factors") or (kind == "llama3" and len(self.rope_scaling) != 5) \
-                    or (kind == "factors" and len(self.rope_scaling) != 1 + self.head_dim_ // 2):
+            values = self.rope_scaling[1:]
+            if kind not in ("llama3", "linear", "factors") or (kind == "llama3" and len(values) != 4) \
+                    or (kind == "linear" and len(values) != 1) \
+                    or (kind == "factors" and len(values) != self.head_dim_ // 2) \
+                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+                               for v in values):
                 raise ValueError(f"rope_scaling={self.rope_scaling!r}: expected ('llama3', factor,"
-                                 f" low_freq_factor, high_freq_factor, original_max_position_embeddings)"
-                                 f" or ('factors', one divisor per frequency)")
+                                 f" low_freq_factor, high_freq_factor, original_max_position_embeddings),"
+                                 f" ('linear', factor) or ('factors', one divisor per frequency), all positive")
         if self.arch not in ARCHS:
             raise ValueError(f"arch={self.arch!r}: pockjax builds {', '.join(ARCHS)} models")
         if self.attn_block_rows is not None and self.attn_block_rows < 1:
@@ -292,6 +298,8 @@ def rope_freq_factors(config: LlamaConfig):
         >>> cfg = LlamaConfig.tiny(rope_scaling=("llama3", 8.0, 1.0, 4.0, 32))  # wavelengths 6.3, 21, 69, ...
         >>> [round(float(f), 2) for f in rope_freq_factors(cfg)]  # kept below 32 / 4, divided by 8 above 32
         [1.0, 3.3, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0]
+        >>> rope_freq_factors(LlamaConfig.tiny(rope_scaling=("linear", 8.0))).tolist()
+        [8.0, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0]
         >>> rope_freq_factors(LlamaConfig.tiny()) is None
         True
     """
@@ -304,6 +312,8 @@ def rope_freq_factors(config: LlamaConfig):
     kind, *values = config.rope_scaling
     if kind == "factors":
         return np.asarray(values, np.float32)
+    if kind == "linear":
+        return np.full(config.head_dim_ // 2, values[0], np.float32)
     factor, low, high, old_len = (float(v) for v in values)
     hd = config.head_dim_
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))

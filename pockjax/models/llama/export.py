@@ -249,9 +249,11 @@ def save_gguf(model: Any, tokenizer: Any, path: str | os.PathLike, *, quant: str
     vector = lambda n, w: (n, "F32", w.shape, np.ascontiguousarray(w, np.float32))  # noqa: E731
     tensors = [_matrix("token_embd.weight", flat["embed.embedding"], qtype),
                vector("output_norm.weight", flat["norm.scale"])]
-    factors = rope_freq_factors(cfg)
-    if factors is not None:  # Llama 3's RoPE scaling, as llama.cpp reads it
-        tensors.append(vector("rope_freqs.weight", factors))
+    if cfg.rope_scaling is not None and cfg.rope_scaling[0] == "linear":  # as llama.cpp reads it
+        meta[f"{a}.rope.scaling.type"] = "linear"
+        meta[f"{a}.rope.scaling.factor"] = Typed("f32", float(cfg.rope_scaling[1]))
+    elif cfg.rope_scaling is not None:  # Llama 3's RoPE scaling, as llama.cpp reads it
+        tensors.append(vector("rope_freqs.weight", rope_freq_factors(cfg)))
     if not cfg.tie_embeddings:
         tensors.append(_matrix("output.weight", flat["lm_head.kernel"].T, qtype))
     for i in range(cfg.n_layers):
@@ -299,8 +301,8 @@ def _check_gemma3_for_llama_cpp(cfg: LlamaConfig) -> None:
     if float(cfg.query_pre_attn_scalar) != float(scalar):
         problems.append(f"its query_pre_attn_scalar {cfg.query_pre_attn_scalar} is not the {scalar} llama.cpp"
                         f" uses for this shape")
-    if cfg.rope_scaling is not None:
-        problems.append("it uses RoPE scaling")
+    if cfg.rope_scaling is not None and cfg.rope_scaling[0] != "linear":
+        problems.append(f"it uses {cfg.rope_scaling[0]} RoPE scaling (llama.cpp scales Gemma 3's linearly)")
     if problems:
         raise ExportError("this Gemma 3 model cannot be written as GGUF: llama.cpp would run it differently, since "
                           + "; ".join(problems) + ". Export it with --format safetensors instead")

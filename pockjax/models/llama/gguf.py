@@ -187,8 +187,16 @@ def gguf_config(reader: GGUFFile, **overrides: Any) -> LlamaConfig:
             f" {', '.join(repr(a) for a in ARCHS)} architecture files (LLaMA, SmolLM, TinyLlama, Qwen2, Gemma 3, ...)")
     names = {t.name for t in reader.tensors}
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise UnsupportedModelError(f"{path}: RoPE scaling ({scaling}) is not supported")
+    if scaling not in ("none", None, "linear"):
+        raise UnsupportedModelError(f"{path}: RoPE scaling ({scaling}) is not supported (pockjax reads none"
+                                    f" and linear)")
+    rope_scaling = None
+    if scaling == "linear":  # llama.cpp: every frequency / factor (Gemma 3: on its full-attention layers)
+        factor = _field(reader, f"{arch}.rope.scaling.factor")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
+            raise GGUFError(f"{path}: {arch}.rope.scaling.factor must be a positive number, got {factor!r}")
+        if factor != 1:
+            rope_scaling = ("linear", float(factor))
     for key in ("attention.head_count", "embedding_length", "block_count", "feed_forward_length"):
         if f"{arch}.{key}" not in reader.metadata:
             raise GGUFError(f"{path}: metadata key {arch + '.' + key!r} is missing")
@@ -225,6 +233,8 @@ def gguf_config(reader: GGUFFile, **overrides: Any) -> LlamaConfig:
         cfg = cfg.replace(arch="qwen2", qkv_bias=True)
     if arch == "gemma3":
         cfg = _gemma3_fields(reader, cfg)
+    if rope_scaling is not None:
+        cfg = cfg.replace(rope_scaling=rope_scaling)
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:  # Llama 3's scaling, as llama.cpp stores it: a divisor per frequency
         try:

@@ -60,10 +60,12 @@ def hf_config(config_json: dict[str, Any], source: str = "config.json",
     if not isinstance(rope, dict) or not isinstance(scaling, dict):
         raise CheckpointError(f"{source}: rope_parameters and rope_scaling must be objects")
     rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type not in ("default", None, "llama3"):
+    if rope_type not in ("default", None, "llama3", "linear"):
         raise UnsupportedModelError(f"{source}: RoPE scaling {rope_type!r} is not supported (supported:"
-                                    f" none, 'llama3')")
+                                    f" none, 'llama3', 'linear')")
     rope_scaling = None
+    if rope_type == "linear":
+        rope_scaling = _linear_scaling({**scaling, **rope}, source)
     if rope_type == "llama3":
         params = {**scaling, **rope}
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -105,6 +107,14 @@ def hf_config(config_json: dict[str, Any], source: str = "config.json",
     return cfg.replace(**overrides)
 
 
+def _linear_scaling(params: dict[str, Any], source: str) -> tuple:
+    """``("linear", factor)`` from a ``rope_type: linear`` entry of a Hugging Face config."""
+    factor = params.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
+        raise CheckpointError(f"{source}: linear RoPE scaling needs a positive number 'factor', got {factor!r}")
+    return ("linear", float(factor))
+
+
 def _gemma3_config(c: dict[str, Any], source: str, **overrides: Any) -> LlamaConfig:
     """:func:`hf_config` of a Gemma 3 text model (``model_type == "gemma3_text"``)."""
     for key, allowed in (("final_logit_softcapping", None), ("attn_logit_softcapping", None),
@@ -119,11 +129,17 @@ def _gemma3_config(c: dict[str, Any], source: str, **overrides: Any) -> LlamaCon
     full = rope.get("full_attention") or {"rope_theta": c.get("rope_theta", 1000000.0),
                                           **(c.get("rope_scaling") or {})}
     local = rope.get("sliding_attention") or {"rope_theta": c.get("rope_local_base_freq", 10000.0)}
+    rope_scaling = None
     for kind, params in (("full_attention", full), ("sliding_attention", local)):
+        if not isinstance(params, dict):
+            raise CheckpointError(f"{source}: rope_parameters[{kind!r}] must be an object")
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in ("default", None):
+        if kind == "full_attention" and rope_type == "linear":  # Gemma 3 4B-27B: factor 8
+            rope_scaling = _linear_scaling(params, source)
+        elif rope_type not in ("default", None):
             raise UnsupportedModelError(f"{source}: RoPE scaling {rope_type!r} of the {kind} layers is not"
-                                        f" supported (Gemma 3 270M and 1B have none)")
+                                        f" supported (pockjax builds Gemma 3's: none, or 'linear' on the"
+                                        f" full-attention layers)")
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size", "head_dim") if k not in c]
     if missing:
@@ -146,7 +162,7 @@ def _gemma3_config(c: dict[str, Any], source: str, **overrides: Any) -> LlamaCon
         layer_types=tuple(types), sliding_window=c.get("sliding_window", 4096),
         rope_local_theta=local.get("rope_theta", 10000.0),
         query_pre_attn_scalar=float(c.get("query_pre_attn_scalar", 256)),
-    ).replace(**overrides)
+    ).replace(**{"rope_scaling": rope_scaling, **overrides})
 
 
 def _int_if_whole(x: float) -> float | int:
@@ -368,19 +384,24 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike, *, dtype: Any = np.f
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "torch_dtype": "float16" if dtype == np.float16 else "float32",
     }
+    full_rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
         kind, *values = cfg.rope_scaling
-        if kind != "llama3":
-            raise CheckpointError("a Hugging Face config describes RoPE scaling by its llama3 parameters;"
-                                  " this model has only per-frequency factors (read from a GGUF file)")
-        config_json["rope_scaling"] = {"rope_type": "llama3", "factor": values[0], "low_freq_factor": values[1],
-                                       "high_freq_factor": values[2],
-                                       "original_max_position_embeddings": int(values[3])}
+        if kind == "factors":
+            raise CheckpointError("a Hugging Face config describes RoPE scaling by its llama3 or linear"
+                                  " parameters; this model has only per-frequency factors (read from a GGUF file)")
+        if kind == "linear":
+            config_json["rope_scaling"] = {"rope_type": "linear", "factor": values[0]}
+        else:
+            config_json["rope_scaling"] = {"rope_type": "llama3", "factor": values[0], "low_freq_factor": values[1],
+                                           "high_freq_factor": values[2],
+                                           "original_max_position_embeddings": int(values[3])}
+        full_rope.update(config_json["rope_scaling"])
     if qwen:
         config_json.pop("attention_bias"), config_json.pop("mlp_bias")
         config_json["use_sliding_window"] = False
     if cfg.arch == "gemma3":
-        config_json.pop("mlp_bias"), config_json.pop("rope_theta")
+        config_json.pop("mlp_bias"), config_json.pop("rope_theta"), config_json.pop("rope_scaling", None)
         config_json.update({
             "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
             "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
@@ -390,7 +411,7 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike, *, dtype: Any = np.f
             "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim_),
             "final_logit_softcapping": None, "attn_logit_softcapping": None,
             "rope_parameters": {
-                "full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                "full_attention": full_rope,
                 "sliding_attention": {"rope_type": "default",
                                       "rope_theta": cfg.rope_local_theta or cfg.rope_theta}}})
     write_json(os.path.join(path, "config.json"), config_json, indent=2)

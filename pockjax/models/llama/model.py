@@ -547,22 +547,22 @@ class Llama(nnx.Module):
         else:
             key_valid = mask.astype(bool)
 
-        def tables(theta):
+        def tables(theta, factors):
             if positions is None:
                 # Positions are 0 .. t-1, or (with a mask) a count below t: read the
                 # rotary tables from a constant of t rows instead of computing them.
-                cos, sin = _rope_table(t, cfg.head_dim_, theta, _factors(cfg))
+                cos, sin = _rope_table(t, cfg.head_dim_, theta, factors)
                 if mask is not None:
                     at = jnp.maximum(jnp.cumsum(key_valid, axis=-1) - 1, 0)
                     cos, sin = cos[0][at], sin[0][at]
                 return cos, sin
-            return rope_cos_sin(positions, cfg.head_dim_, theta, _factors(cfg))
+            return rope_cos_sin(positions, cfg.head_dim_, theta, factors)
 
-        cos, sin = tables(cfg.rope_theta)
+        cos, sin = tables(cfg.rope_theta, _factors(cfg))
         attn_mask = causal_mask(jnp.arange(t), key_valid)
         local = None
-        if cfg.is_sliding(*range(cfg.n_layers)):
-            local = (*tables(cfg.rope_local_theta or cfg.rope_theta),
+        if cfg.is_sliding(*range(cfg.n_layers)):  # Gemma 3's local RoPE: its own base, never scaled
+            local = (*tables(cfg.rope_local_theta or cfg.rope_theta, None),
                      causal_mask(jnp.arange(t), key_valid, cfg.sliding_window))
         x = self.embed_tokens(tokens)
         if rows is not None:
@@ -655,7 +655,7 @@ def decode_groups(models: list, tokens: jax.Array, positions: jax.Array, caches:
     attn_mask = causal_mask(cache_index + jnp.arange(t), key_valid)
     local = None
     if any(m.config.is_sliding(*range(m.config.n_layers)) for m in models):
-        local = (*rope_cos_sin(positions, cfg.head_dim_, cfg.rope_local_theta or cfg.rope_theta, _factors(cfg)),
+        local = (*rope_cos_sin(positions, cfg.head_dim_, cfg.rope_local_theta or cfg.rope_theta, None),
                  causal_mask(cache_index + jnp.arange(t), key_valid, cfg.sliding_window))
     x = head.embed_tokens(tokens)
     new = []
