@@ -7,8 +7,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 
-# One XLA compilation cache for the whole test run, shared by the xdist workers and the
-# subprocesses the tests start (they inherit the environment): many tests compile the same
+# One XLA (and IREE) compilation cache for the whole test run, shared by the xdist workers and
+# the subprocesses the tests start (they inherit the environment): many tests compile the same
 # tiny-model steps, and on 2 cores compiling is most of the suite's time. The folder is new
 # for each run (nothing carries over from an earlier run) and removed at its end.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -20,6 +20,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    os.environ["POCKJAX_IREE_CACHE_DIR"] = os.path.join(_cache, "iree")  # the same for iree-compile
     _owner = os.getpid()
     atexit.register(lambda: os.getpid() == _owner and shutil.rmtree(_cache, ignore_errors=True))
 

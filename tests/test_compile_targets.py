@@ -114,3 +114,24 @@ def test_cli_export_tiny_llama_runs_in_runtime(tmp_path):
     tokens = np.ones((1, 16), np.int32)
     losses = [float(np.asarray(module.step(tokens, tokens, np.ones((1, 16), np.float32))[0])) for _ in range(3)]
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+def test_iree_compile_cache_reuses_only_the_same_module_and_flags(tmp_path, monkeypatch):
+    import iree.compiler as ic
+
+    from pockjax.backends.iree.lowering import compile_stablehlo, export_stablehlo
+
+    monkeypatch.setenv("POCKJAX_IREE_CACHE_DIR", str(tmp_path / "cache"))
+    text = export_stablehlo(lambda x: (x * 2.0,), [jax.ShapeDtypeStruct((4,), jnp.float32)])
+    calls = []
+    real = ic.compile_str
+    monkeypatch.setattr(ic, "compile_str", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = compile_stablehlo(text, "cpu")
+    assert compile_stablehlo(text, "cpu") == first and len(calls) == 1   # read back, not compiled again
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    compile_stablehlo(text, "cpu", extra_flags=["--iree-opt-level=O1"])  # other flags: compiled
+    compile_stablehlo(text.replace("2.0", "3.0"), "cpu")                # other module: compiled
+    assert len(calls) == 3 and len(list((tmp_path / "cache").iterdir())) == 3
+    monkeypatch.delenv("POCKJAX_IREE_CACHE_DIR")
+    compile_stablehlo(text, "cpu")                                       # no cache: always compiled
+    assert len(calls) == 4

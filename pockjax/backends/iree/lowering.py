@@ -75,12 +75,35 @@ def export_stablehlo(fun: Callable, flat_avals: Sequence[Any]) -> str:
     return exported.mlir_module()
 
 
+#: A folder where :func:`compile_stablehlo` keeps each ``.vmfb`` it compiles, found again by a
+#: SHA-256 of the module text, backend, flags and the IREE compiler's version (unset: no cache).
+#: The test suite points it to a new folder per run, as it does JAX's compilation cache.
+IREE_CACHE_ENV = "POCKJAX_IREE_CACHE_DIR"
+
+
+def _cache_path(mlir_text: str | bytes, backend: str, flags: Sequence[str]) -> str | None:
+    import os
+
+    folder = os.environ.get(IREE_CACHE_ENV)
+    if not folder:
+        return None
+    h = hashlib.sha256()
+    for part in (versions().get("iree-base-compiler", "unknown"), backend, "\0".join(flags)):
+        h.update(part.encode() + b"\1")
+    h.update(mlir_text.encode() if isinstance(mlir_text, str) else bytes(mlir_text))
+    return os.path.join(folder, h.hexdigest() + ".vmfb")
+
+
 def compile_stablehlo(
     mlir_text: str | bytes,
     target: "str | _targets.Target",
     extra_flags: Sequence[str] = (),
 ) -> bytes:
     """Compiles StableHLO (MLIR text or bytecode) to a ``.vmfb`` for ``target``.
+
+    With ``POCKJAX_IREE_CACHE_DIR`` (:data:`IREE_CACHE_ENV`) set, a module
+    compiled before with the same text, backend, flags and compiler version
+    is read from that folder instead (each written atomically).
 
     Raises:
       IreeCompileError: with IREE's diagnostics and the target name.
@@ -89,8 +112,15 @@ def compile_stablehlo(
 
     t = _targets.resolve(target) if isinstance(target, str) else target
     flags = [f for f in t.flags if not f.startswith("--iree-hal-target-backends=")] + list(extra_flags)
+    cached = _cache_path(mlir_text, t.backend, flags)
+    if cached is not None:
+        try:
+            with open(cached, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            pass
     try:
-        return ic.compile_str(mlir_text, input_type="stablehlo", target_backends=[t.backend], extra_args=flags)
+        vmfb = ic.compile_str(mlir_text, input_type="stablehlo", target_backends=[t.backend], extra_args=flags)
     except ic.CompilerToolError as e:
         diag = str(e)
         first = next((ln for ln in diag.splitlines() if "error:" in ln), diag.strip().splitlines()[0] if diag.strip() else "")
@@ -99,6 +129,14 @@ def compile_stablehlo(
         raise IreeCompileError(
             f"iree-compile failed for target {t.name!r} ({t.backend}): {first.strip()}{hint}", diag, t.name
         ) from None
+    if cached is not None:
+        import os
+
+        from pockjax.io.atomic import write_bytes
+
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        write_bytes(cached, vmfb)
+    return vmfb
 
 
 def _dtype_name(dtype) -> str:
