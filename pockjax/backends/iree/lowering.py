@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -82,8 +83,6 @@ IREE_CACHE_ENV = "POCKJAX_IREE_CACHE_DIR"
 
 
 def _cache_path(mlir_text: str | bytes, backend: str, flags: Sequence[str]) -> str | None:
-    import os
-
     folder = os.environ.get(IREE_CACHE_ENV)
     if not folder:
         return None
@@ -130,8 +129,6 @@ def compile_stablehlo(
             f"iree-compile failed for target {t.name!r} ({t.backend}): {first.strip()}{hint}", diag, t.name
         ) from None
     if cached is not None:
-        import os
-
         from pockjax.io.atomic import write_bytes
 
         os.makedirs(os.path.dirname(cached), exist_ok=True)

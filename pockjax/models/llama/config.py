@@ -6,6 +6,16 @@ import dataclasses
 from typing import Any
 
 
+def is_positive_number(x: Any) -> bool:
+    """Whether ``x`` is a finite positive int or float (not a bool): a scale, base or factor read from a file.
+
+    Example:
+        >>> [is_positive_number(v) for v in (8, 0.5, 0, True, float("inf"), float("nan"), "8")]
+        [True, True, False, False, False, False, False]
+    """
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
+
+
 #: The architectures :class:`LlamaConfig` describes.
 ARCHS = ("llama", "qwen2", "gemma3")
 
@@ -114,8 +124,7 @@ class LlamaConfig:
             if kind not in ("llama3", "linear", "factors") or (kind == "llama3" and len(values) != 4) \
                     or (kind == "linear" and len(values) != 1) \
                     or (kind == "factors" and len(values) != self.head_dim_ // 2) \
-                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
-                               for v in values):
+                    or not all(is_positive_number(v) for v in values):
                 raise ValueError(f"rope_scaling={self.rope_scaling!r}: expected ('llama3', factor,"
                                  f" low_freq_factor, high_freq_factor, original_max_position_embeddings),"
                                  f" ('linear', factor) or ('factors', one divisor per frequency), all positive")

@@ -20,7 +20,7 @@ import numpy as np
 from pockjax.errors import PockjaxError
 from pockjax.io.gguf import Typed, write_gguf
 from pockjax.models.llama.config import LlamaConfig, rope_freq_factors
-from pockjax.models.llama.gguf import GEMMA3_TENSORS
+from pockjax.models.llama.gguf import GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_ROPE_BASE, GEMMA3_TENSORS, gemma3_fixed_fields
 
 __all__ = ["EXPORT_FORMATS", "GGUF_QUANTS", "ExportError", "export_model", "gguf_tokenizer_metadata",
            "permute_qk", "save_gguf"]
@@ -286,11 +286,7 @@ def _check_gemma3_for_llama_cpp(cfg: LlamaConfig) -> None:
     :func:`~pockjax.models.llama.gguf.read_gguf` does when it reads one), so a
     config that differs would load and run, wrongly.
     """
-    from pockjax.models.llama.gguf import GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_ROPE_BASE
-
-    pattern = tuple("full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
-                    for i in range(cfg.n_layers))
-    scalar = cfg.dim // cfg.n_heads if cfg.n_layers == 62 else cfg.head_dim_
+    pattern, scalar = gemma3_fixed_fields(cfg)
     problems = []
     if tuple(cfg.layer_types or ()) != pattern:
         problems.append(f"its layer types {list(cfg.layer_types or ())} are not llama.cpp's fixed pattern"
@@ -298,8 +294,8 @@ def _check_gemma3_for_llama_cpp(cfg: LlamaConfig) -> None:
     if float(cfg.rope_local_theta) != GEMMA3_LOCAL_ROPE_BASE:
         problems.append(f"its sliding layers' RoPE base {cfg.rope_local_theta} is not llama.cpp's"
                         f" {GEMMA3_LOCAL_ROPE_BASE}")
-    if float(cfg.query_pre_attn_scalar) != float(scalar):
-        problems.append(f"its query_pre_attn_scalar {cfg.query_pre_attn_scalar} is not the {scalar} llama.cpp"
+    if float(cfg.query_pre_attn_scalar) != scalar:
+        problems.append(f"its query_pre_attn_scalar {cfg.query_pre_attn_scalar} is not the {scalar:g} llama.cpp"
                         f" uses for this shape")
     if cfg.rope_scaling is not None and cfg.rope_scaling[0] != "linear":
         problems.append(f"it uses {cfg.rope_scaling[0]} RoPE scaling (llama.cpp scales Gemma 3's linearly)")

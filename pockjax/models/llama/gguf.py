@@ -19,7 +19,7 @@ import numpy as np
 from pockjax.errors import GGUFError, UnsupportedModelError
 from pockjax.io.gguf import GGUFFile, open_gguf
 from pockjax.io.kquants import BLOCKS as KQUANT_BLOCKS, DEQUANTIZERS as KQUANT_DEQUANTIZERS
-from pockjax.models.llama.config import ARCHS, LlamaConfig
+from pockjax.models.llama.config import ARCHS, LlamaConfig, is_positive_number
 from pockjax.models.llama.weights import build_model, check_params, config_from_fields
 
 __all__ = [
@@ -193,7 +193,7 @@ def gguf_config(reader: GGUFFile, **overrides: Any) -> LlamaConfig:
     rope_scaling = None
     if scaling == "linear":  # llama.cpp: every frequency / factor (Gemma 3: on its full-attention layers)
         factor = _field(reader, f"{arch}.rope.scaling.factor")
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
+        if not is_positive_number(factor):
             raise GGUFError(f"{path}: {arch}.rope.scaling.factor must be a positive number, got {factor!r}")
         if factor != 1:
             rope_scaling = ("linear", float(factor))
@@ -253,6 +253,23 @@ GEMMA3_GLOBAL_EVERY = 6
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 
+def gemma3_fixed_fields(cfg: LlamaConfig) -> tuple[tuple[str, ...], float]:
+    """llama.cpp's fixed Gemma 3 ``(layer_types, query_pre_attn_scalar)`` for ``cfg``'s shape.
+
+    Every 6th layer attends to all keys, the others to a sliding window;
+    scores are scaled by ``1 / sqrt(head_dim)`` (``1 / sqrt(dim / n_heads)``
+    for the 62-layer 27B). A ``gemma3`` GGUF file holds neither.
+
+    Example:
+        >>> types, scalar = gemma3_fixed_fields(LlamaConfig.gemma3_270m())
+        >>> types.index("full_attention"), scalar
+        (5, 256.0)
+    """
+    types = tuple("full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
+                  for i in range(cfg.n_layers))
+    return types, float(cfg.dim // cfg.n_heads if cfg.n_layers == 62 else cfg.head_dim_)
+
+
 def _gemma3_fields(reader: GGUFFile, cfg: LlamaConfig) -> LlamaConfig:
     """The Gemma 3 fields of a ``gemma3`` file's config, as llama.cpp reads them.
 
@@ -275,12 +292,10 @@ def _gemma3_fields(reader: GGUFFile, cfg: LlamaConfig) -> LlamaConfig:
     local_base = _field(reader, "gemma3.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)
     if isinstance(local_base, bool) or not isinstance(local_base, (int, float)) or not local_base > 0:
         raise GGUFError(f"{path}: gemma3.rope.freq_base_swa must be a positive number, got {local_base!r}")
-    types = tuple("full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
-                  for i in range(cfg.n_layers))
-    scalar = cfg.dim // cfg.n_heads if cfg.n_layers == 62 else cfg.head_dim_
+    types, scalar = gemma3_fixed_fields(cfg)
     try:
         return cfg.replace(arch="gemma3", layer_types=types, sliding_window=window,
-                           rope_local_theta=float(local_base), query_pre_attn_scalar=float(scalar))
+                           rope_local_theta=float(local_base), query_pre_attn_scalar=scalar)
     except ValueError as e:
         raise GGUFError(f"{path}: inconsistent model config ({e})") from None
 

@@ -18,7 +18,7 @@ from pockjax.errors import CheckpointError, FileMissingError, UnsupportedModelEr
 from pockjax.io.atomic import write_json
 from pockjax.io.jsonfile import read_json_object
 from pockjax.io.safetensors import read_safetensors, write_safetensors
-from pockjax.models.llama.config import ARCHS, LlamaConfig
+from pockjax.models.llama.config import ARCHS, LlamaConfig, is_positive_number
 from pockjax.models.llama.weights import build_model, check_params, config_from_fields
 
 __all__ = ["CheckpointError", "hf_config", "load_hf_checkpoint", "read_hf_checkpoint",
@@ -110,7 +110,7 @@ def hf_config(config_json: dict[str, Any], source: str = "config.json",
 def _linear_scaling(params: dict[str, Any], source: str) -> tuple:
     """``("linear", factor)`` from a ``rope_type: linear`` entry of a Hugging Face config."""
     factor = params.get("factor")
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
+    if not is_positive_number(factor):
         raise CheckpointError(f"{source}: linear RoPE scaling needs a positive number 'factor', got {factor!r}")
     return ("linear", float(factor))
 

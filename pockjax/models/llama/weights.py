@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from pockjax.errors import ModelFileError
-from pockjax.models.llama.config import LlamaConfig
+from pockjax.models.llama.config import LlamaConfig, is_positive_number
 
 __all__ = ["build_model", "check_params", "config_from_fields", "expected_shapes", "unstack_layers"]
 
@@ -42,8 +42,7 @@ def config_from_fields(source: str | os.PathLike, error: type[ModelFileError],
         value = fields.get(name)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
-                or value == float("inf"):
+        if not is_positive_number(value):
             raise error(f"{os.fspath(source)}: {name} must be a positive number, got {value!r}")
         fields[name] = float(value)
     fields = {k: v for k, v in fields.items() if v is not None or k == "head_dim"}
