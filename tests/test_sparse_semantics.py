@@ -184,7 +184,7 @@ def test_mlp_matches_reference(sizes, opt_name, data):
     check_against_reference(MLP(sizes=sizes), opt_name, data)
 
 
-@settings(SETTINGS, max_examples=5)  # each example compiles a transformer step (CI time)
+@SETTINGS
 @given(
     layers=st.integers(1, 3),
     scan=st.booleans(),
@@ -195,7 +195,7 @@ def test_transformer_matches_reference(layers, scan, opt_name, data):
     check_against_reference(Transformer(layers=layers, scan=scan), opt_name, data)
 
 
-@settings(SETTINGS, max_examples=4)
+@settings(SETTINGS, max_examples=6)
 @given(scan=st.booleans(), opt_name=st.sampled_from(["adam", "adamw", "sgd_momentum", "lion"]), data=st.data())
 def test_sparse_optimizer_state_matches_reference(scan, opt_name, data):
     check_against_reference(Transformer(layers=2, scan=scan), opt_name, data, sparse_state=True)
