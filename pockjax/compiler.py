@@ -126,13 +126,19 @@ class CompiledStep(_RewrittenGraph):
             raise BackendError(f"{self.backend!r} steps have no XLA analysis; compile without target= for it")
         return self.executable.compiled
 
-    def export(self, path, *, with_weights: bool = True) -> str:
+    def export(self, path, *, with_weights: bool = True, state: Sequence[np.ndarray] | None = None) -> str:
         """Write the compiled module and its metadata to directory ``path``.
 
         Only IREE targets export (``pockjax.compile(..., target="cpu")``); the
         directory holds ``module.vmfb``, ``module.json`` (tree structure,
         shapes, dtypes, scheme, target, versions) and, with weights, a
         parameter archive. Load it with ``pockjax.runtime.load(path)``.
+
+        The weights are ``state`` (host arrays, in the module's state order)
+        if given, else the state on the device after the last call. A module
+        compiled for a device this machine lacks (``cuda`` on a build machine)
+        has no device state: give ``state``, or export through
+        :meth:`Step.export` with example arguments.
         """
         if getattr(self.executable, "name", None) != "iree":
             raise BackendError("only IREE-compiled steps export: compile with target='cpu' (or arm64, vulkan, ...)")
@@ -143,7 +149,19 @@ class CompiledStep(_RewrittenGraph):
             "scheme": scheme.to_dict() if scheme is not None else None,
             "in_paths": list(self.graph.in_paths),
         }
-        return self.executable.exe.export(path, with_weights=with_weights, extra=extra)
+        exe = self.executable.exe
+        if not self.executable.runs_here:  # compiled for a device this machine lacks
+            from pockjax.backends.iree.executable import export_module
+
+            if with_weights and state is None:
+                raise BackendError(
+                    f"this machine has no {self.executable.target} device holding the weights: export with"
+                    " step.export(path, *example_args) to write them from the example arguments, pass state=,"
+                    " or pass with_weights=False")
+            return export_module(exe, path, weights=state if with_weights else None, extra=extra)
+        if with_weights and state is not None:
+            exe.set_state(list(state))
+        return exe.export(path, with_weights=with_weights, extra=extra)
 
     def cost_analysis(self) -> dict:
         """XLA's cost analysis of the compiled program (``flops``, ``bytes accessed``...)."""
@@ -367,7 +385,8 @@ class CompiledFunction:
             exe = compiled.executable.exe
             # Typed PRNG keys (an NNX model's dropout stream) cross the module boundary as their key data.
             flat = [jax.random.key_data(x) if C.is_key_dtype(getattr(x, "dtype", None)) else x for x in flat]
-            exe.set_state([np.asarray(flat[i]) for i in exe.metadata.state_inputs])
+            state = [np.asarray(flat[i]) for i in exe.metadata.state_inputs]
+            return compiled.export(path, with_weights=True, state=state)
         return compiled.export(path, with_weights=with_weights)
 
     def __call__(self, *args):

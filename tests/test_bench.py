@@ -139,6 +139,61 @@ def test_pytorch_rows_match_pockjax(tmp_path, tiny_results):
     assert res["quality"]["torch-sparse"]["predictions"] == pockjax_res["quality"]["pockjax-paper"]["predictions"]
 
 
+def test_precision_rows_hold_frozen_tensors_smaller_and_start_from_the_same_loss(tmp_path, tiny_results):
+    """The precision rows: pockjax's paper step with its frozen tensors in bf16,
+    int8 and int4 blocks (as ``pockjax finetune --dtype`` / ``--quantize``), and
+    PyTorch under bf16 autocast. Each holds fewer bytes than the fp32 step, and
+    each first loss (same weights, same batch) is the fp32 one within the
+    precision's error."""
+    from benchmarks.harness.rows import DEFAULT_ROWS, PRECISION_ROWS, QUALITY_ROWS
+
+    assert set(PRECISION_ROWS) == {"torch-full-bf16", "torch-lora-bf16", "pockjax-paper-bf16",
+                                   "pockjax-paper-int8", "pockjax-paper-int4"}
+    assert not set(PRECISION_ROWS) & (set(DEFAULT_ROWS) | set(QUALITY_ROWS))  # opt-in (--rows)
+    res = run(BenchConfig(**{**TINY, "steps": 1, "quality_steps": 0}), rows=list(PRECISION_ROWS), reps=1,
+              out=str(tmp_path), timeout=600, progress=False)
+    fp32 = tiny_results[0]["speed"]["pockjax-paper"]
+    for name in PRECISION_ROWS:
+        s = res["speed"][name]
+        assert not s["errors"], s["errors"]
+        assert s["first_loss"] == pytest.approx(fp32["first_loss"], rel=2e-3), name
+    held = {n: res["speed"][f"pockjax-paper-{n}"]["weights_bytes"] for n in ("bf16", "int8", "int4")}
+    assert fp32["weights_bytes"] > held["bf16"] > held["int8"] > held["int4"] > 0, (fp32["weights_bytes"], held)
+    table = (tmp_path / "results.md").read_text()
+    assert "fp32 unless the row says otherwise" in table
+    assert f"pockjax-paper-int4 {held['int4'] / 1e6:.3g} MB" in table
+    with pytest.raises(ValueError, match="no quality phase here"):
+        run(BenchConfig(**TINY), rows=[], quality_rows=["pockjax-paper-int8"], out=str(tmp_path))
+
+
+def test_an_interrupted_run_writes_the_rows_that_finished(tmp_path, monkeypatch):
+    """Ctrl-C (or ``timeout -s INT``) during a row keeps every run that finished."""
+    from benchmarks.harness import runner
+
+    real, calls = runner._run_job, []
+
+    def interrupt_second(*args, **kwargs):
+        calls.append(args[0]["row"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "_run_job", interrupt_second)
+    cfg = BenchConfig(**{**TINY, "steps": 1, "quality_steps": 0})
+    with pytest.raises(runner.BenchInterrupted) as e:
+        run(cfg, rows=["pockjax-paper", "pockjax-full"], reps=1, out=str(tmp_path / "a"), progress=False)
+    assert e.value.written and calls == ["pockjax-paper", "pockjax-full"]
+    with open(tmp_path / "a" / "results.json") as f:
+        saved = json.load(f)
+    assert saved["interrupted"] is True and list(saved["speed"]) == ["pockjax-paper"]
+    assert not saved["speed"]["pockjax-paper"]["errors"]
+    calls.clear()
+    calls.append("none yet")  # the next row is the second call: interrupted before any run finished
+    with pytest.raises(runner.BenchInterrupted) as e:
+        run(cfg, rows=["pockjax-paper"], reps=1, out=str(tmp_path / "b"), progress=False)
+    assert not e.value.written and not os.path.exists(tmp_path / "b" / "results.json")
+
+
 def test_goals_and_table_from_results():
     cfg = BenchConfig(model="tiny", batch=2, seq=8, quality_steps=5)
 

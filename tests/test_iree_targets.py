@@ -9,6 +9,8 @@ skip when their system packages are missing; CI installs them with
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -81,6 +83,43 @@ def test_mlp_compiles_for_cuda():
     assert c.size_bytes > 1000
     assert c.metadata.target["backend"] == "cuda"
     assert c.metadata.target["driver"] == "cuda"
+
+
+def test_a_gpu_step_compiled_where_no_gpu_is_exports_its_weights_from_the_example_arguments(tmp_path):
+    """Ahead-of-time for a device this machine lacks (``cuda`` without libcuda):
+    the step compiles, refuses to run here in a sentence that says what to do,
+    and exports module and weights from the host arrays for the device."""
+    import jax
+    import optax
+
+    import pockjax
+    from pockjax.errors import BackendError
+    from pockjax.runtime.metadata import read_metadata
+    from pockjax.runtime.weights import load_weights
+
+    if S.have_cuda_gpu():
+        pytest.fail("this test is about a machine without an NVIDIA GPU (CI's)")
+    tx = optax.adam(1e-2)
+
+    def step(p, s, x, y):
+        loss, g = jax.value_and_grad(S.mlp_loss)(p, x, y)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    params = S.mlp_init(jax.random.PRNGKey(0))
+    x, y = np.ones((4, 8), np.float32), np.zeros((4, 4), np.float32)
+    f = pockjax.compile(step, target="cuda")
+    out = f.export(str(tmp_path / "cuda"), params, tx.init(params), x, y)
+    meta = read_metadata(out)
+    assert meta.target["name"] == "cuda" and os.path.getsize(os.path.join(out, "module.vmfb")) > 1000
+    weights = load_weights(os.path.join(out, "weights.irpa"))
+    np.testing.assert_array_equal(weights["l1.w"], np.asarray(params["l1"]["w"]))
+    with pytest.raises(BackendError, match=r"cannot run it.*pockjax.runtime.load"):
+        f(params, tx.init(params), x, y)
+    compiled = f.lower(params, tx.init(params), x, y).compile()
+    with pytest.raises(BackendError, match="no cuda device holding the weights"):
+        compiled.export(str(tmp_path / "again"))
+    assert read_metadata(compiled.export(str(tmp_path / "bare"), with_weights=False)).weights is None
 
 
 def test_full_flat_call_has_jax_semantics():

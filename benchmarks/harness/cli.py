@@ -71,6 +71,11 @@ def _cmd(args: argparse.Namespace) -> int:
                       timeout=args.timeout, progress=not args.no_progress)
     except SequenceLengthError as e:  # says which flag sets the length; pockjax.cli prints it
         raise SequenceLengthError(f"{e} (--seq for the speed phase, --quality-seq for the quality phase)") from None
+    except KeyboardInterrupt as e:
+        print(f"pockjax bench: interrupted; the runs that finished are in {args.out}/results.md"
+              if getattr(e, "written", False) else
+              "pockjax bench: interrupted before any run finished; nothing was written", file=sys.stderr)
+        return 130
     from benchmarks.harness.runner import markdown_table
 
     print(markdown_table(results))

@@ -24,9 +24,19 @@ pockjax-lora              pockjax    :func:`pockjax.lora` rank 8 (alpha 16) on q
                                      as ``torch-lora``
 pockjax-paper-lora        pockjax    ``paper`` on its last blocks + LoRA on the
                                      attention of the other blocks
+torch-full-bf16           PyTorch    ``torch-full`` under ``torch.autocast``
+                                     (bfloat16 products, float32 weights)
+torch-lora-bf16           PyTorch    ``torch-lora`` under ``torch.autocast``
+pockjax-paper-bf16        pockjax    ``paper``, frozen tensors held in bfloat16, as
+                                     ``pockjax finetune --dtype bf16``: bfloat16
+                                     products on a GPU, float32 ones on a CPU
+pockjax-paper-int8        pockjax    ``paper``, frozen matrices held as int8 blocks
+                                     (Q8_0), as ``--quantize int8``
+pockjax-paper-int4        pockjax    ``paper``, frozen matrices held as packed 4-bit
+                                     blocks (Q4_1), as ``--quantize int4``
 ========================  =========  ==================================================
 
-Every row: fp32, the same batches, next-token cross-entropy over the answer
+Every row but the last five: fp32, the same batches, next-token cross-entropy over the answer
 tokens (mean over the loss mask), AdamW (betas 0.9/0.999, eps 1e-8, no weight
 decay). pockjax's step computes logits only on the answer window
 (:func:`pockjax.models.llama.answer_loss`), as ``pockjax finetune`` does; the
@@ -56,7 +66,7 @@ import numpy as np
 from benchmarks.harness.common import (BenchConfig, WarmMark, proc_peak_rss, row_lr,
                                   timed_steps, trim_heap)
 
-__all__ = ["ROWS", "DEFAULT_ROWS", "QUALITY_ROWS", "CPU_ONLY_ROWS", "Row", "default_rows", "run_row"]
+__all__ = ["ROWS", "DEFAULT_ROWS", "QUALITY_ROWS", "PRECISION_ROWS", "CPU_ONLY_ROWS", "Row", "default_rows", "run_row"]
 
 
 class Row:
@@ -85,13 +95,24 @@ ROWS = {r.name: r for r in [
     Row("pockjax-paper-iree", "pockjax", "paper", "pockjax, paper scheme, IREE cpu", target="cpu"),
     Row("pockjax-lora", "pockjax", "lora", "pockjax, LoRA rank 8 on q/k/v/o (as torch-lora)"),
     Row("pockjax-paper-lora", "pockjax", "paper-lora", "pockjax, paper scheme + LoRA on the other blocks"),
+    Row("torch-full-bf16", "torch", "full", "PyTorch full fine-tuning, bf16 autocast", precision="bf16"),
+    Row("torch-lora-bf16", "torch", "lora", "PyTorch + PEFT LoRA rank 8, bf16 autocast", precision="bf16"),
+    Row("pockjax-paper-bf16", "pockjax", "paper", "pockjax, paper scheme, frozen in bf16 (--dtype bf16)",
+        precision="bf16"),
+    Row("pockjax-paper-int8", "pockjax", "paper", "pockjax, paper scheme, frozen int8 (--quantize int8)",
+        precision="int8"),
+    Row("pockjax-paper-int4", "pockjax", "paper", "pockjax, paper scheme, frozen int4 (--quantize int4)",
+        precision="int4"),
 ]}
 
+#: Rows that train in another precision than float32 (``--rows`` only: not in
+#: a default run; ``benchmarks/precision.py`` measures their quality).
+PRECISION_ROWS = tuple(n for n, r in ROWS.items() if r.options.get("precision"))
 #: Rows of a default speed run.
-DEFAULT_ROWS = tuple(ROWS)
+DEFAULT_ROWS = tuple(n for n in ROWS if n not in PRECISION_ROWS)
 #: Rows of a default quality run (the two variants that compute the same
 #: update as another row are left out).
-QUALITY_ROWS = tuple(n for n in ROWS if n not in ("pockjax-full-seqloss", "pockjax-paper-iree"))
+QUALITY_ROWS = tuple(n for n in DEFAULT_ROWS if n not in ("pockjax-full-seqloss", "pockjax-paper-iree"))
 #: Rows that run on the host CPU whatever the device (IREE's ``cpu`` target).
 CPU_ONLY_ROWS = tuple(n for n, r in ROWS.items() if r.options.get("target") == "cpu")
 
@@ -182,9 +203,19 @@ def torch_row(job: dict) -> dict:
     process_peak = proc_peak_rss()
     trim_heap()
 
+    precision = ROWS[job["row"]].options.get("precision")
+    if precision not in (None, "bf16"):
+        raise ValueError(f"PyTorch rows run in float32 or bf16 autocast, not {precision!r}")
+
+    def forward(tokens):
+        if precision is None:
+            return model(input_ids=tokens).logits
+        with torch.autocast(dev.type, dtype=torch.bfloat16):  # bfloat16 products, float32 weights
+            return model(input_ids=tokens).logits
+
     def step(i):
         b = batches[i % len(batches)]
-        logits = model(input_ids=b["tokens"].long()).logits
+        logits = forward(b["tokens"].long())
         nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                                 b["targets"].reshape(-1).long(), reduction="none")
         w = b["loss_mask"].reshape(-1).float()
@@ -241,27 +272,38 @@ def _torch_blas() -> dict:
 
 
 def _torch_flop_counter():
-    """PyTorch's FLOP counter, taught the fused attention kernels of the CPU.
+    """PyTorch's FLOP counter, taught the fused attention kernels of the CPU and
+    grouped-query attention.
 
     ``FlopCounterMode`` counts the CUDA attention kernels but not
     ``_scaled_dot_product_flash_attention_for_cpu`` (which ``transformers``
-    models reach on the CPU); without these two formulas a CPU step's
-    attention products would count as zero. The formulas are PyTorch's own
-    for the other attention kernels (the backward recomputes the scores, as
-    the CPU kernel does).
+    models reach on the CPU); without its formulas a CPU step's attention
+    products would count as zero. And PyTorch before 2.12 refuses to count a
+    kernel given fewer key/value heads than query heads (a GQA model under
+    bf16 autocast on CUDA). The formulas here are PyTorch's own, on key and
+    value shapes widened to the query's heads, as the kernels broadcast them
+    (the backward recomputes the scores, as the kernels do).
     """
     import torch
     from torch.utils import flop_counter
 
+    def widened(q, k, v):
+        return q, (*k[:1], q[1], *k[2:]), (*v[:1], q[1], *v[2:])
+
     def forward(q, k, v, *args, out_shape=None, **kwargs):
-        return flop_counter.sdpa_flop_count(q, k, v)
+        return flop_counter.sdpa_flop_count(*widened(q, k, v))
 
     def backward(grad, q, k, v, *args, out_shape=None, **kwargs):
-        return flop_counter.sdpa_backward_flop_count(grad, q, k, v)
+        return flop_counter.sdpa_backward_flop_count(grad, *widened(q, k, v))
 
     aten = torch.ops.aten
-    mapping = {aten._scaled_dot_product_flash_attention_for_cpu: forward,
-               aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
+    kernels = ["_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"]
+    mapping = {}
+    for name in kernels:
+        for op, formula in ((name, forward), (name + "_backward", backward)):
+            if hasattr(aten, op):
+                mapping[getattr(aten, op)] = formula
     return flop_counter.FlopCounterMode(display=False, custom_mapping=mapping)
 
 
@@ -431,11 +473,13 @@ def pockjax_row(job: dict) -> dict:
     row = ROWS[job["row"]]
     t0 = time.perf_counter()
     model = _jax_model(job, cfg)
-    scheme = _scheme(job["kind"], model.config, cfg)
+    config = model.config
+    scheme = _scheme(job["kind"], config, cfg)
     graphdef, params = llama.split(model)
     del model
     if scheme.has_lora:
         params = pockjax.add_adapters(params, scheme, seed=cfg.seed)
+    params, compute = _held_precision(params, config, scheme, row.options.get("precision"))
     tx = optax.adamw(row_lr(job["kind"], cfg), b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
     window = int(job["window"])
 
@@ -451,7 +495,7 @@ def pockjax_row(job: dict) -> dict:
             xla_options = ANSWER_STEP_XLA_OPTIONS  # as pockjax finetune compiles it
 
     f = pockjax.compile(train_step, scheme=scheme, target=row.options.get("target"),
-                        xla_options=xla_options)
+                        xla_options=xla_options, precision=compute)
     opt_state = pockjax.init_opt_state(tx, params, scheme)
     batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in _load_batches(job)]
     tc = time.perf_counter()
@@ -469,7 +513,31 @@ def pockjax_row(job: dict) -> dict:
     out = _jax_loop(job, cfg, run, t0, trainable_n, lambda: pockjax.adapters.merge(holder["p"]), graphdef, compile_s,
                     step_flops=lambda: flops)
     out["xla_options"] = dict(xla_options or {})
+    out["weights_bytes"] = pockjax.quant.tree_nbytes(holder["p"])
     return out
+
+
+def _held_precision(params: dict, config, scheme, precision: str | None):
+    """``(params, compute)``: ``params`` with the scheme's frozen tensors held as
+    ``pockjax finetune --dtype bf16`` / ``--quantize int8|int4`` holds them, and
+    the step's compute policy for :func:`pockjax.compile` (as that command's)."""
+    if precision is None:
+        return params, None
+    import jax.numpy as jnp
+
+    import pockjax
+    from pockjax.models.llama.mixed import hold_frozen
+    from pockjax.paths import flatten_params
+    from pockjax.train.finetune import _compute_precision
+
+    flat = flatten_params(params)
+    rules = scheme.resolve(list(flat), [tuple(x.shape) for x in flat.values()], lora_bases=True)
+    frozen = {p for p, r in zip(flat, rules) if isinstance(r, pockjax.Frozen)}
+    if precision == "bf16":
+        return hold_frozen(params, config, frozen.__contains__, dtype=jnp.bfloat16), _compute_precision("bf16")
+    if precision in ("int8", "int4"):
+        return hold_frozen(params, config, frozen.__contains__, quantize=precision), None
+    raise ValueError(f"unknown row precision {precision!r}: bf16, int8 or int4")
 
 
 _RUNNERS: dict[str, Callable[[dict], dict]] = {"torch": torch_row, "jax": jax_row, "pockjax": pockjax_row}

@@ -35,13 +35,13 @@ import numpy as np
 from benchmarks.harness.common import (RANDOM_MODELS, BenchConfig, BenchError, GpuUnavailableError, ResultsFileError,
                                        read_results, cpu_words, machine, make_data, median,
                                   random_config, versions)
-from benchmarks.harness.rows import CPU_ONLY_ROWS, QUALITY_ROWS, ROWS, default_rows
+from benchmarks.harness.rows import CPU_ONLY_ROWS, PRECISION_ROWS, QUALITY_ROWS, ROWS, default_rows
 from pockjax.errors import FileFormatError
 from pockjax.io.atomic import (atomic_directory, atomic_open, remove_stale_temporaries, save_figure, write_json,
                                write_text)
 from pockjax.io.jsonfile import read_json_object
 
-__all__ = ["run", "summarize", "merge", "markdown_table", "torch_mkl_note", "plot_results", "GOALS"]
+__all__ = ["run", "BenchInterrupted", "summarize", "merge", "markdown_table", "torch_mkl_note", "plot_results", "GOALS"]
 
 #: The goals this benchmark checks (row, baseline, what).
 GOALS = (
@@ -220,7 +220,8 @@ def run(cfg: BenchConfig, *, rows: Sequence[str] | None = None, reps: int = 2,
       The results dict (also in ``results.json``).
 
     Raises:
-      BenchError: an unknown row, no rows at all, or a CPU-only row on ``gpu``.
+      BenchError: an unknown row, no rows at all, a CPU-only row on ``gpu``,
+        or a precision row (:data:`~benchmarks.harness.rows.PRECISION_ROWS`) in the quality phase.
       GpuUnavailableError: ``cfg.device`` is ``gpu`` and JAX sees no GPU.
       VendorShimError: ``cfg.torch_mkl_any_cpu`` and the shim cannot be built.
     """
@@ -231,6 +232,11 @@ def run(cfg: BenchConfig, *, rows: Sequence[str] | None = None, reps: int = 2,
         raise BenchError(f"unknown benchmark rows {unknown}; rows: {', '.join(ROWS)}")
     if not rows and not quality_rows:
         raise BenchError("nothing to run: give speed rows, or quality steps and rows")
+    in_precision = [r for r in quality_rows if r in PRECISION_ROWS]
+    if in_precision:
+        raise BenchError(f"rows {in_precision} have no quality phase here (their frozen tensors are held in"
+                         " another precision); leave them out of --quality-rows, and measure their quality"
+                         " with benchmarks/precision.py --finetune")
     if reps < 1:
         raise BenchError(f"reps must be at least 1, got {reps}")
     gpu = None
@@ -297,14 +303,32 @@ def run(cfg: BenchConfig, *, rows: Sequence[str] | None = None, reps: int = 2,
                 log(f"{name} (quality) failed: {res['error'].strip().splitlines()[-1]}")
             raw.append(res)
             bar.update(1)
+    except KeyboardInterrupt:  # Ctrl-C, or `timeout -s INT`: keep the rows that finished
+        if not raw:
+            raise BenchInterrupted(written=False) from None
+        log(f"interrupted: writing the {len(raw)} runs that finished")
+        interrupted = True
+    else:
+        interrupted = False
     finally:
         bar.close()
     results = summarize(raw, cfg, prep)
     if gpu:
         results["machine"].update(gpu)
     results["wall_seconds"] = time.time() - t_start
+    results["interrupted"] = interrupted
     _write_results(results, out)
+    if interrupted:
+        raise BenchInterrupted(written=True)
     return results
+
+
+class BenchInterrupted(KeyboardInterrupt):
+    """:func:`run` was interrupted; ``written``: the runs that finished were written."""
+
+    def __init__(self, written: bool):
+        super().__init__("interrupted")
+        self.written = written
 
 
 def summarize(raw: list[dict], cfg: BenchConfig, prep: dict | None = None) -> dict:
@@ -330,6 +354,8 @@ def summarize(raw: list[dict], cfg: BenchConfig, prep: dict | None = None) -> di
         s["first_loss"] = r["losses"][0] if r["losses"] else None
         if r.get("step_flops"):
             s["step_flops"] = r["step_flops"]
+        if r.get("weights_bytes") is not None:
+            s["weights_bytes"] = r["weights_bytes"]
         for key in ("torch_mkl", "mkl_vendor_shim"):  # PyTorch rows: how their matmuls ran
             if key in r:
                 s[key] = bool(s.get(key, True) and r[key])
@@ -464,9 +490,11 @@ def markdown_table(results: dict) -> str:
     gpu = device == "gpu"
     where = (f"{m.get('gpu', 'GPU')} ({_gib(m.get('gpu_memory_bytes', 0))} GiB usable), host {m['cpu']}"
              if gpu else cpu_words(m))
-    lines = [f"SmolLM2-135M-Instruct fp32 fine-tuning step, batch {cfg['batch']} x {cfg['seq']} tokens"
+    precision = "fine-tuning step (fp32 unless the row says otherwise)" if any(
+        n in PRECISION_ROWS for n in list(results["speed"]) + list(results["quality"])) else "fp32 fine-tuning step"
+    lines = [f"SmolLM2-135M-Instruct {precision}, batch {cfg['batch']} x {cfg['seq']} tokens"
              if cfg["model"] == "smollm2-135m" else
-             f"{cfg['model']} (random weights) fp32 fine-tuning step, batch {cfg['batch']} x {cfg['seq']} tokens",
+             f"{cfg['model']} (random weights) {precision}, batch {cfg['batch']} x {cfg['seq']} tokens",
              f"({results['date']}; {where}; "
              + ", ".join(f"{k} {v[k]}" for k in ("jax", "flax", "optax", "torch", "transformers", "peft",
                                                  "iree-base-compiler") if k in v) + ")", ""]
@@ -503,6 +531,12 @@ def markdown_table(results: dict) -> str:
                      "(matmul_only=True) of the traced step for plain JAX, of the compiled step for"
                      " pockjax); GFLOP/s: those over the median step time. A speed-up over a baseline is"
                      " its FLOPs over the row's times the row's GFLOP/s over the baseline's.")
+    held = [(n, s["weights_bytes"]) for n, s in sorted(results["speed"].items(),
+                                                         key=lambda kv: list(ROWS).index(kv[0]) if kv[0] in ROWS else 99)
+            if s.get("weights_bytes")]
+    if any(n in PRECISION_ROWS for n, _ in held):
+        lines.append("Parameters each pockjax step holds (frozen ones in the row's precision): "
+                     + ", ".join(f"{n} {b / 1e6:.3g} MB" for n, b in held) + ".")
     mkl_note = torch_mkl_note(results)
     if mkl_note:
         lines.append(mkl_note)

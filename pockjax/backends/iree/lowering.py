@@ -12,6 +12,7 @@ here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import time
@@ -330,4 +331,19 @@ def _runs_here(t: _targets.Target) -> bool:
     if t.backend == "llvm-cpu":
         return bool(t.triple) and t.triple.split("-")[0] == host_machine_triple_prefix() and \
             "static_library" not in t.options
-    return True
+    return t.driver.startswith("local-") or _driver_has_device(t.driver)
+
+
+@functools.lru_cache(maxsize=None)
+def _driver_has_device(driver: str) -> bool:
+    """Whether IREE's ``driver`` (``cuda``, ``vulkan``...) finds a device on this machine.
+
+    A GPU module compiled on a machine without that GPU (or its driver
+    library) is not bound: it is exported and run on the device.
+    """
+    import iree.runtime as rt
+
+    try:
+        return bool(rt.get_driver(driver).query_available_devices())
+    except Exception:  # noqa: BLE001 - a missing driver library, no device: either way, not here
+        return False

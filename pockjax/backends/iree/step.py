@@ -63,13 +63,19 @@ class IreeStepExecutable:
             extra={"in_roles": list(graph.in_roles), "passes": list(graph.pass_names)},
             emulate=(target == "arm64"),
         )
-        if not callable(self.exe):
-            raise BackendError(
-                f"target {target!r} compiled, but this machine cannot run it; "
-                "use CompiledStep.export(path) and pockjax.runtime on the device"
-            )
+
+    @property
+    def runs_here(self) -> bool:
+        """Whether this machine runs the module (else it is only exported)."""
+        return callable(self.exe)
 
     def __call__(self, *flat_args):
+        if not self.runs_here:
+            raise BackendError(
+                f"target {self.target!r} compiled, but this machine cannot run it (no {self.target} device here);"
+                " export it with step.export(path, *example_args) and run it on the device with"
+                " pockjax.runtime.load(path)"
+            )
         if self.key_inputs:
             flat_args = [
                 jax.random.key_data(x) if i in self.key_inputs and C.is_key_dtype(getattr(x, "dtype", None)) else x
