@@ -161,7 +161,9 @@ def test_precision_rows_hold_frozen_tensors_smaller_and_start_from_the_same_loss
     assert fp32["weights_bytes"] > held["bf16"] > held["int8"] > held["int4"] > 0, (fp32["weights_bytes"], held)
     table = (tmp_path / "results.md").read_text()
     assert "fp32 unless the row says otherwise" in table
-    assert f"pockjax-paper-int4 {held['int4'] / 1e6:.3g} MB" in table
+    from pockjax.memory import format_bytes
+
+    assert f"pockjax-paper-int4 {format_bytes(held['int4'])}" in table
     with pytest.raises(ValueError, match="no quality phase here"):
         run(BenchConfig(**TINY), rows=[], quality_rows=["pockjax-paper-int8"], out=str(tmp_path))
 

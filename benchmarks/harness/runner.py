@@ -531,12 +531,14 @@ def markdown_table(results: dict) -> str:
                      "(matmul_only=True) of the traced step for plain JAX, of the compiled step for"
                      " pockjax); GFLOP/s: those over the median step time. A speed-up over a baseline is"
                      " its FLOPs over the row's times the row's GFLOP/s over the baseline's.")
+    from pockjax.memory import format_bytes
+
     held = [(n, s["weights_bytes"]) for n, s in sorted(results["speed"].items(),
                                                          key=lambda kv: list(ROWS).index(kv[0]) if kv[0] in ROWS else 99)
             if s.get("weights_bytes")]
     if any(n in PRECISION_ROWS for n, _ in held):
         lines.append("Parameters each pockjax step holds (frozen ones in the row's precision): "
-                     + ", ".join(f"{n} {b / 1e6:.3g} MB" for n, b in held) + ".")
+                     + ", ".join(f"{n} {format_bytes(b)}" for n, b in held) + ".")
     mkl_note = torch_mkl_note(results)
     if mkl_note:
         lines.append(mkl_note)
