@@ -30,3 +30,21 @@ def test_iree_vs_xla_rejects_an_unwritable_output_before_compiling(tmp_path, cap
     with pytest.raises(SystemExit) as e:
         bench.main(["--model", "tiny", "--schemes", "paper", "--json", str(tmp_path)])
     assert e.value.code == 2 and "is a directory" in capsys.readouterr().err
+
+
+def test_gpu_smoke_iree_halves_match_and_catch_a_wrong_result(tmp_path, capsys):
+    """``gpu_smoke.py --iree-prepare`` / ``--iree-check`` (run on the H100 with
+    ``cuda``), here with the host ``cpu`` target: the exported steps match XLA's
+    reference, and a reference moved by about one AdamW update is a mismatch."""
+    import numpy as np
+
+    smoke = _load("gpu_smoke")
+    assert smoke.main(["--iree-prepare", str(tmp_path), "--iree-target", "cpu"]) == 0
+    assert smoke.main(["--iree-check", str(tmp_path), "--iree-target", "cpu"]) == 0
+    assert capsys.readouterr().out.count(" OK") == 2
+    ref = dict(np.load(tmp_path / "reference.npz"))
+    ref["paper/params/layers.1.attn.wq.kernel"][0, 0] += 1e-3  # AdamW's lr
+    np.savez(tmp_path / "reference.npz", **ref)
+    assert smoke.main(["--iree-check", str(tmp_path), "--iree-target", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "IREE cpu full:" in out and out.count("MISMATCH") == 1
