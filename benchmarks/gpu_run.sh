@@ -9,6 +9,9 @@
 #       --platform manylinux_2_28_x86_64 -d gpu-work/wheels iree-base-runtime==3.13.0
 # (the Python version of the GPU machine's), then bring gpu-work/ along.
 #
+# A JAX newer than pockjax's verified range needs POCKJAX_ALLOW_UNVERIFIED_JAX=1 (say so
+# beside the figures).
+#
 # Writes to $OUT (default gpu-results/): iree_cuda.txt and each bench group's results.
 # Each group has its own time limit and is interrupted with SIGINT, so a group cut
 # short still writes the rows that finished.
