@@ -15,7 +15,7 @@
 # Writes to $OUT (default gpu-results/): iree_cuda.txt and each bench group's results.
 # Each group has its own time limit and is interrupted with SIGINT, so a group cut
 # short still writes the rows that finished.
-set -u
+set -u -o pipefail
 WORK=${WORK:-gpu-work}
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -30,12 +30,19 @@ fi
 nvidia-smi -L
 python3 -c "import jax, torch; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__)"
 echo "== IREE cuda"
-timeout 90 python3 benchmarks/gpu_smoke.py --iree-check "$WORK/iree" 2>&1 | tee "$OUT/iree_cuda.txt"
+status=0
+timeout 90 python3 benchmarks/gpu_smoke.py --iree-check "$WORK/iree" 2>&1 | tee "$OUT/iree_cuda.txt" \
+    || { echo "IREE cuda check FAILED (exit $?)"; status=1; }
 bench() {  # bench NAME SECONDS ROWS
     echo "== $1"
+    rm -rf "/tmp/pockjax-gpu-$1"  # a group interrupted before any run finished must not leave old results
     timeout -s INT "$2" python3 -m pockjax.cli bench --device gpu --model llama-1b --rows "$3" \
-        --reps 1 --steps 5 --quality-steps 0 --out "/tmp/pockjax-gpu-$1" --no-progress 2>&1 | tail -25
-    for f in results.json results.md; do cp "/tmp/pockjax-gpu-$1/$f" "$OUT/$1_$f" 2>/dev/null; done
+        --reps 1 --steps 5 --quality-steps 0 --out "/tmp/pockjax-gpu-$1" --no-progress 2>&1 | tail -25 \
+        || { echo "bench $1 FAILED or was cut short (exit $?)"; status=1; }
+    for f in results.json results.md; do
+        [ -f "/tmp/pockjax-gpu-$1/$f" ] && cp "/tmp/pockjax-gpu-$1/$f" "$OUT/$1_$f"
+    done
 }
 bench precision 300 torch-full,torch-full-bf16,pockjax-paper,pockjax-paper-bf16,pockjax-paper-int8,pockjax-paper-int4
 bench lora 180 torch-lora,torch-lora-bf16,pockjax-lora
+exit $status

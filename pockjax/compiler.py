@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -135,10 +135,11 @@ class CompiledStep(_RewrittenGraph):
         parameter archive. Load it with ``pockjax.runtime.load(path)``.
 
         The weights are ``state`` (host arrays, in the module's state order)
-        if given, else the state on the device after the last call. A module
-        compiled for a device this machine lacks (``cuda`` on a build machine)
-        has no device state: give ``state``, or export through
-        :meth:`Step.export` with example arguments.
+        if given (the device's state is left as it is), else the state on the
+        device after the last call. A step that has not run, or one compiled
+        for a device this machine lacks (``cuda`` on a build machine), has no
+        device state: give ``state``, export through :meth:`Step.export` with
+        example arguments, or pass ``with_weights=False``.
         """
         if getattr(self.executable, "name", None) != "iree":
             raise BackendError("only IREE-compiled steps export: compile with target='cpu' (or arm64, vulkan, ...)")
@@ -149,19 +150,28 @@ class CompiledStep(_RewrittenGraph):
             "scheme": scheme.to_dict() if scheme is not None else None,
             "in_paths": list(self.graph.in_paths),
         }
-        exe = self.executable.exe
-        if not self.executable.runs_here:  # compiled for a device this machine lacks
-            from pockjax.backends.iree.executable import export_module
+        from pockjax.backends.iree.executable import export_module
 
-            if with_weights and state is None:
-                raise BackendError(
-                    f"this machine has no {self.executable.target} device holding the weights: export with"
-                    " step.export(path, *example_args) to write them from the example arguments, pass state=,"
-                    " or pass with_weights=False")
-            return export_module(exe, path, weights=state if with_weights else None, extra=extra)
-        if with_weights and state is not None:
-            exe.set_state(list(state))
-        return exe.export(path, with_weights=with_weights, extra=extra)
+        exe = self.executable.exe
+        module = exe.compiled if self.executable.runs_here else exe
+        if state is not None:
+            if not with_weights:
+                raise BackendError("state= is the weights to write: drop with_weights=False, or drop state=")
+            if isinstance(state, Mapping) or isinstance(state, (str, bytes)):
+                raise BackendError("state= takes the state arrays in the module's state order (a list), not "
+                                   f"a {type(state).__name__}")
+            return export_module(module, path, weights=list(state), extra=extra)
+        if not with_weights:
+            return export_module(module, path, extra=extra)
+        if not self.executable.runs_here:  # compiled for a device this machine lacks
+            raise BackendError(
+                f"this machine has no {self.executable.target} device holding the weights: export with"
+                " step.export(path, *example_args) to write them from the example arguments, pass state=,"
+                " or pass with_weights=False")
+        if not exe._state:
+            raise BackendError("the step has not run yet, so it holds no weights to export: export with"
+                               " step.export(path, *example_args), pass state=, or pass with_weights=False")
+        return exe.export(path, with_weights=True, extra=extra)
 
     def cost_analysis(self) -> dict:
         """XLA's cost analysis of the compiled program (``flops``, ``bytes accessed``...)."""

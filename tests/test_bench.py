@@ -190,12 +190,37 @@ def test_an_interrupted_run_writes_the_rows_that_finished(tmp_path, monkeypatch)
     with open(tmp_path / "a" / "results.json") as f:
         saved = json.load(f)
     assert saved["interrupted"] is True and list(saved["speed"]) == ["pockjax-paper"]
+    assert "INTERRUPTED: this run was cut short" in (tmp_path / "a" / "results.md").read_text()
     assert not saved["speed"]["pockjax-paper"]["errors"]
     calls.clear()
     calls.append("none yet")  # the next row is the second call: interrupted before any run finished
     with pytest.raises(runner.BenchInterrupted) as e:
         run(cfg, rows=["pockjax-paper"], reps=1, out=str(tmp_path / "b"), progress=False)
     assert not e.value.written and not os.path.exists(tmp_path / "b" / "results.json")
+
+
+def test_torch_flop_counter_counts_grouped_query_attention_kernels():
+    """The FLOP counter of the PyTorch rows counts a fused attention kernel given
+    fewer key/value heads than query heads (GQA) as the same kernel with the
+    key/value heads repeated; PyTorch's own formula refused it before 2.12."""
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks.harness.rows import _torch_flop_counter
+
+    b, hq, hkv, t, d = 2, 8, 2, 16, 32
+    q = torch.randn(b, hq, t, d, requires_grad=True)
+    k, v = (torch.randn(b, hkv, t, d, requires_grad=True) for _ in range(2))
+
+    def count(k, v, **kw):
+        with _torch_flop_counter() as counter:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw).sum().backward()
+        return counter.get_total_flops()
+
+    forward = 2 * (2 * b * hq * t * t * d)  # scores and the weighted sum
+    grouped = count(k, v, enable_gqa=True)
+    assert grouped == count(k.repeat_interleave(4, 1), v.repeat_interleave(4, 1))
+    assert grouped >= 3 * forward  # the backward's products counted too
 
 
 def test_goals_and_table_from_results():

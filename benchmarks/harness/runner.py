@@ -548,6 +548,8 @@ def markdown_table(results: dict) -> str:
                      f" (same batches and evaluator for every row); AdamW learning rate {cfg['lr']:g} for"
                      f" full fine-tuning, {cfg.get('sparse_lr', cfg['lr']):g} for the sparse rows,"
                      f" {cfg['lora_lr']:g} for LoRA.")
+    if results.get("interrupted"):
+        lines.append("INTERRUPTED: this run was cut short; the rows above are the runs that finished.")
     lines.append("Goals:")
     for g in results["goals"]:
         if g["value"] is None:

@@ -341,9 +341,9 @@ def _driver_has_device(driver: str) -> bool:
     A GPU module compiled on a machine without that GPU (or its driver
     library) is not bound: it is exported and run on the device.
     """
-    import iree.runtime as rt
-
     try:
+        import iree.runtime as rt
+
         return bool(rt.get_driver(driver).query_available_devices())
-    except Exception:  # noqa: BLE001 - a missing driver library, no device: either way, not here
+    except Exception:  # noqa: BLE001 - no runtime, no driver library, no device: not here
         return False

@@ -72,9 +72,9 @@ class IreeStepExecutable:
     def __call__(self, *flat_args):
         if not self.runs_here:
             raise BackendError(
-                f"target {self.target!r} compiled, but this machine cannot run it (no {self.target} device here);"
-                " export it with step.export(path, *example_args) and run it on the device with"
-                " pockjax.runtime.load(path)"
+                f"target {self.target!r} compiled, but this machine cannot run it (it has no such device, or the"
+                " module is for another CPU or a static library); export it with step.export(path,"
+                " *example_args) and run it where it belongs (pockjax.runtime.load(path) on the device)"
             )
         if self.key_inputs:
             flat_args = [
