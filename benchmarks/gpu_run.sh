@@ -43,6 +43,6 @@ bench() {  # bench NAME SECONDS ROWS
         [ -f "/tmp/pockjax-gpu-$1/$f" ] && cp "/tmp/pockjax-gpu-$1/$f" "$OUT/$1_$f"
     done
 }
-bench precision 300 torch-full,torch-full-bf16,pockjax-paper,pockjax-paper-bf16,pockjax-paper-int8,pockjax-paper-int4
+bench precision 330 torch-full,torch-full-bf16,pockjax-paper,pockjax-paper-bf16,pockjax-paper-int8-bf16,pockjax-paper-int8,pockjax-paper-int4
 bench lora 180 torch-lora,torch-lora-bf16,pockjax-lora
 exit $status

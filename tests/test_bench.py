@@ -151,7 +151,7 @@ def test_precision_rows_hold_frozen_tensors_smaller_and_start_from_the_same_loss
     from pockjax.memory import format_bytes
 
     assert set(PRECISION_ROWS) == {"torch-full-bf16", "torch-lora-bf16", "pockjax-paper-bf16",
-                                   "pockjax-paper-int8", "pockjax-paper-int4"}
+                                   "pockjax-paper-int8", "pockjax-paper-int4", "pockjax-paper-int8-bf16"}
     assert not set(PRECISION_ROWS) & (set(DEFAULT_ROWS) | set(QUALITY_ROWS))  # opt-in (--rows)
     rows = ["torch-lora-bf16", "pockjax-paper-bf16", "pockjax-paper-int4"]
     res = run(BenchConfig(**{**TINY, "steps": 1, "quality_steps": 0}), rows=rows, reps=1,
@@ -168,6 +168,38 @@ def test_precision_rows_hold_frozen_tensors_smaller_and_start_from_the_same_loss
     assert f"pockjax-paper-int4 {format_bytes(held['int4'])}" in table
     with pytest.raises(ValueError, match="no quality phase here"):
         run(BenchConfig(**TINY), rows=[], quality_rows=["pockjax-paper-int8"], out=str(tmp_path))
+
+
+def test_precision_rows_hold_what_finetune_holds():
+    """Each pockjax precision row holds the frozen tensors as ``pockjax finetune``
+    does for the same flags, and computes as it does on this backend."""
+    import jax
+    from flax import nnx
+
+    from benchmarks.harness.common import random_config
+    from benchmarks.harness.rows import ROWS, _held_precision, _scheme
+    from pockjax import quant
+    from pockjax.models import llama
+
+    config = random_config("tiny")
+    cfg = BenchConfig(**TINY)
+    params = llama.split(llama.Llama(config, rngs=nnx.Rngs(0)))[1]
+    scheme = _scheme("paper", config, cfg)
+    frozen_w, trained_w = "layers.0.mlp.w2.kernel", "layers.0.attn.wq.kernel"
+    trained = {p for p, _ in scheme.rules}
+    assert trained_w in trained and frozen_w not in trained
+    for row, (qtype, other, compute) in {"pockjax-paper-int8": ("q8_0", "float32", None),
+                                         "pockjax-paper-int4": ("q4_1", "float32", None),
+                                         "pockjax-paper-int8-bf16": ("q8_0", "bfloat16", None),
+                                         "pockjax-paper-bf16": ("bf16", "bfloat16", None)}.items():
+        held, policy = _held_precision(params, config, scheme, ROWS[row].options["precision"])
+        flat = llama.flatten_params(held)
+        assert quant.is_qtensor(flat[frozen_w]) and flat[frozen_w].qtype == qtype, row
+        assert flat["layers.0.attn_norm.scale"].dtype.name == other, row  # a frozen vector
+        assert flat[trained_w].dtype.name == "float32" and not quant.is_qtensor(flat[trained_w]), row
+        assert policy == compute and jax.default_backend() == "cpu"  # bf16 products on a GPU only
+    with pytest.raises(ValueError, match="unknown row precision"):
+        _held_precision(params, config, scheme, "int3")
 
 
 def test_an_interrupted_run_writes_the_rows_that_finished(tmp_path, monkeypatch):

@@ -34,9 +34,13 @@ pockjax-paper-int8        pockjax    ``paper``, frozen matrices held as int8 blo
                                      (Q8_0), as ``--quantize int8``
 pockjax-paper-int4        pockjax    ``paper``, frozen matrices held as packed 4-bit
                                      blocks (Q4_1), as ``--quantize int4``
+pockjax-paper-int8-bf16   pockjax    ``paper``, frozen matrices as int8 blocks and
+                                     the other frozen tensors in bfloat16, as
+                                     ``--quantize int8 --dtype bf16`` (bfloat16
+                                     products on a GPU)
 ========================  =========  ==================================================
 
-Every row but the last five: fp32, the same batches, next-token cross-entropy over the answer
+Every row but the last six: fp32, the same batches, next-token cross-entropy over the answer
 tokens (mean over the loss mask), AdamW (betas 0.9/0.999, eps 1e-8, no weight
 decay). pockjax's step computes logits only on the answer window
 (:func:`pockjax.models.llama.answer_loss`), as ``pockjax finetune`` does; the
@@ -103,6 +107,9 @@ ROWS = {r.name: r for r in [
         precision="int8"),
     Row("pockjax-paper-int4", "pockjax", "paper", "pockjax, paper scheme, frozen int4 (--quantize int4)",
         precision="int4"),
+    Row("pockjax-paper-int8-bf16", "pockjax", "paper",
+        "pockjax, paper scheme, frozen int8, bf16 products on a GPU (--quantize int8 --dtype bf16)",
+        precision="int8-bf16"),
 ]}
 
 #: Rows that train in another precision than float32 (``--rows`` only: not in
@@ -533,11 +540,12 @@ def _held_precision(params: dict, config, scheme, precision: str | None):
     flat = flatten_params(params)
     rules = scheme.resolve(list(flat), [tuple(x.shape) for x in flat.values()], lora_bases=True)
     frozen = {p for p, r in zip(flat, rules) if isinstance(r, pockjax.Frozen)}
-    if precision == "bf16":
-        return hold_frozen(params, config, frozen.__contains__, dtype=jnp.bfloat16), _compute_precision("bf16")
-    if precision in ("int8", "int4"):
-        return hold_frozen(params, config, frozen.__contains__, quantize=precision), None
-    raise ValueError(f"unknown row precision {precision!r}: bf16, int8 or int4")
+    quantize, _, dtype = precision.partition("-") if precision.startswith("int") else ("none", "", precision)
+    if quantize not in ("none", "int8", "int4") or dtype not in ("", "bf16") or (quantize, dtype) == ("none", ""):
+        raise ValueError(f"unknown row precision {precision!r}: bf16, int8, int4 or int8-bf16")
+    held = hold_frozen(params, config, frozen.__contains__, quantize=quantize,
+                       dtype=jnp.bfloat16 if dtype == "bf16" else jnp.float32)
+    return held, _compute_precision("bf16" if dtype == "bf16" else "fp32")
 
 
 _RUNNERS: dict[str, Callable[[dict], dict]] = {"torch": torch_row, "jax": jax_row, "pockjax": pockjax_row}
