@@ -85,22 +85,11 @@ def test_mlp_compiles_for_cuda():
     assert c.metadata.target["driver"] == "cuda"
 
 
-def test_a_gpu_step_compiled_where_no_gpu_is_exports_its_weights_from_the_example_arguments(tmp_path):
-    """Ahead-of-time for a device this machine lacks (``cuda`` without libcuda):
-    the step compiles, refuses to run here in a sentence that says what to do,
-    and exports module and weights from the host arrays for the device."""
+def _mlp_adam_step():
+    """``(step, tx, params, x, y)``: the MLP's Adam train step and one batch."""
     import jax
     import optax
 
-    import pockjax
-    from pockjax.errors import BackendError
-    from pockjax.runtime.metadata import read_metadata
-    from pockjax.runtime.weights import load_weights
-
-    from pockjax.backends.iree.lowering import _driver_has_device
-
-    if _driver_has_device("cuda"):
-        pytest.skip("this test is about a machine where IREE finds no CUDA device (CI's)")
     tx = optax.adam(1e-2)
 
     def step(p, s, x, y):
@@ -108,8 +97,23 @@ def test_a_gpu_step_compiled_where_no_gpu_is_exports_its_weights_from_the_exampl
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s, loss
 
-    params = S.mlp_init(jax.random.PRNGKey(0))
     x, y = np.ones((4, 8), np.float32), np.zeros((4, 4), np.float32)
+    return step, tx, S.mlp_init(jax.random.PRNGKey(0)), x, y
+
+
+def test_a_gpu_step_compiled_where_no_gpu_is_exports_its_weights_from_the_example_arguments(tmp_path):
+    """Ahead-of-time for a device this machine lacks (``cuda`` without libcuda):
+    the step compiles, refuses to run here in a sentence that says what to do,
+    and exports module and weights from the host arrays for the device."""
+    import pockjax
+    from pockjax.backends.iree.lowering import _driver_has_device
+    from pockjax.errors import BackendError
+    from pockjax.runtime.metadata import read_metadata
+    from pockjax.runtime.weights import load_weights
+
+    if _driver_has_device("cuda"):
+        pytest.skip("this test is about a machine where IREE finds no CUDA device (CI's)")
+    step, tx, params, x, y = _mlp_adam_step()
     f = pockjax.compile(step, target="cuda")
     out = f.export(str(tmp_path / "cuda"), params, tx.init(params), x, y)
     meta = read_metadata(out)
@@ -122,7 +126,6 @@ def test_a_gpu_step_compiled_where_no_gpu_is_exports_its_weights_from_the_exampl
     with pytest.raises(BackendError, match="no cuda device holding the weights"):
         compiled.export(str(tmp_path / "again"))
     assert read_metadata(compiled.export(str(tmp_path / "bare"), with_weights=False)).weights is None
-    meta = read_metadata(out)
     state = [weights[meta.inputs[i].name] for i in meta.state_inputs]
     with pytest.raises(BackendError, match="drop with_weights=False"):
         compiled.export(str(tmp_path / "both"), with_weights=False, state=state)
@@ -135,21 +138,10 @@ def test_a_gpu_step_compiled_where_no_gpu_is_exports_its_weights_from_the_exampl
 def test_a_step_that_has_not_run_refuses_to_export_no_weights_as_if_it_had_some(tmp_path):
     """A bound IREE step exported before any call holds no weights: the export
     asks for them rather than writing a module without them."""
-    import jax
-    import optax
-
     import pockjax
     from pockjax.errors import BackendError
 
-    tx = optax.adam(1e-2)
-
-    def step(p, s, x, y):
-        loss, g = jax.value_and_grad(S.mlp_loss)(p, x, y)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s, loss
-
-    params = S.mlp_init(jax.random.PRNGKey(0))
-    x, y = np.ones((4, 8), np.float32), np.zeros((4, 4), np.float32)
+    step, tx, params, x, y = _mlp_adam_step()
     compiled = pockjax.compile(step, target="cpu").lower(params, tx.init(params), x, y).compile()
     with pytest.raises(BackendError, match="has not run yet"):
         compiled.export(str(tmp_path / "m"))
