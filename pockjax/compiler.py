@@ -168,7 +168,7 @@ class CompiledStep(_RewrittenGraph):
                 f"this machine has no {self.executable.target} device holding the weights: export with"
                 " step.export(path, *example_args) to write them from the example arguments, pass state=,"
                 " or pass with_weights=False")
-        if not exe._state:
+        if not exe.has_state:
             raise BackendError("the step has not run yet, so it holds no weights to export: export with"
                                " step.export(path, *example_args), pass state=, or pass with_weights=False")
         return exe.export(path, with_weights=True, extra=extra)

@@ -549,6 +549,20 @@ class UpdateScheme:
             )
         return out
 
+    def frozen_paths(self, flat: Mapping[str, Any], *, lora_bases: bool = False) -> set[str]:
+        """The paths of ``flat`` (``{path: array or ShapeDtypeStruct}``, as
+        :func:`pockjax.paths.flatten_params` gives) that :meth:`resolve` freezes:
+        the tensors a run may hold quantized or in bfloat16.
+
+        Example:
+            >>> import numpy as np
+            >>> scheme = UpdateScheme({"head.w": "full"})
+            >>> sorted(scheme.frozen_paths({"body.w": np.zeros((4, 4)), "head.w": np.zeros((4, 2))}))
+            ['body.w']
+        """
+        rules = self.resolve(list(flat), [tuple(np.shape(x)) for x in flat.values()], lora_bases=lora_bases)
+        return {p for p, r in zip(flat, rules) if isinstance(r, Frozen)}
+
     def resolve_tree(self, params: Any) -> list[Union[Full, Frozen, ChannelSelect]]:
         """:meth:`resolve` over the leaves of a params pytree."""
         import jax

@@ -524,28 +524,27 @@ def pockjax_row(job: dict) -> dict:
     return out
 
 
+#: A precision row's ``pockjax finetune`` flags: ``(--quantize, --dtype)``.
+ROW_PRECISIONS = {"bf16": ("none", "bf16"), "int8": ("int8", "fp32"), "int4": ("int4", "fp32"),
+                  "int8-bf16": ("int8", "bf16")}
+
+
 def _held_precision(params: dict, config, scheme, precision: str | None):
     """``(params, compute)``: ``params`` with the scheme's frozen tensors held as
-    ``pockjax finetune --dtype bf16`` / ``--quantize int8|int4`` holds them, and
-    the step's compute policy for :func:`pockjax.compile` (as that command's)."""
+    ``pockjax finetune --quantize Q --dtype D`` holds them (:data:`ROW_PRECISIONS`),
+    and the step's compute policy for :func:`pockjax.compile` (as that command's)."""
     if precision is None:
         return params, None
-    import jax.numpy as jnp
-
-    import pockjax
-    from pockjax.models.llama.mixed import hold_frozen
+    if precision not in ROW_PRECISIONS:
+        raise ValueError(f"unknown row precision {precision!r}: {', '.join(ROW_PRECISIONS)}")
+    from pockjax.models.llama.mixed import DTYPES, hold_frozen
     from pockjax.paths import flatten_params
     from pockjax.train.finetune import _compute_precision
 
-    flat = flatten_params(params)
-    rules = scheme.resolve(list(flat), [tuple(x.shape) for x in flat.values()], lora_bases=True)
-    frozen = {p for p, r in zip(flat, rules) if isinstance(r, pockjax.Frozen)}
-    quantize, _, dtype = precision.partition("-") if precision.startswith("int") else ("none", "", precision)
-    if quantize not in ("none", "int8", "int4") or dtype not in ("", "bf16") or (quantize, dtype) == ("none", ""):
-        raise ValueError(f"unknown row precision {precision!r}: bf16, int8, int4 or int8-bf16")
-    held = hold_frozen(params, config, frozen.__contains__, quantize=quantize,
-                       dtype=jnp.bfloat16 if dtype == "bf16" else jnp.float32)
-    return held, _compute_precision("bf16" if dtype == "bf16" else "fp32")
+    quantize, dtype = ROW_PRECISIONS[precision]
+    frozen = scheme.frozen_paths(flatten_params(params), lora_bases=True)
+    return (hold_frozen(params, config, frozen.__contains__, quantize=quantize, dtype=DTYPES[dtype]),
+            _compute_precision(dtype))
 
 
 _RUNNERS: dict[str, Callable[[dict], dict]] = {"torch": torch_row, "jax": jax_row, "pockjax": pockjax_row}

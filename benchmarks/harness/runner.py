@@ -490,8 +490,10 @@ def markdown_table(results: dict) -> str:
     gpu = device == "gpu"
     where = (f"{m.get('gpu', 'GPU')} ({_gib(m.get('gpu_memory_bytes', 0))} GiB usable), host {m['cpu']}"
              if gpu else cpu_words(m))
-    precision = "fine-tuning step (fp32 unless the row says otherwise)" if any(
-        n in PRECISION_ROWS for n in list(results["speed"]) + list(results["quality"])) else "fp32 fine-tuning step"
+    names = list(dict.fromkeys(list(results["speed"]) + list(results["quality"])))
+    names.sort(key=lambda n: list(ROWS).index(n) if n in ROWS else 99)
+    precision = ("fine-tuning step (fp32 unless the row says otherwise)"
+                 if any(n in PRECISION_ROWS for n in names) else "fp32 fine-tuning step")
     lines = [f"SmolLM2-135M-Instruct {precision}, batch {cfg['batch']} x {cfg['seq']} tokens"
              if cfg["model"] == "smollm2-135m" else
              f"{cfg['model']} (random weights) {precision}, batch {cfg['batch']} x {cfg['seq']} tokens",
@@ -506,8 +508,6 @@ def markdown_table(results: dict) -> str:
     lines.append(f"| row | what | step (s) | tokens/s | vs PyTorch full | matmul GFLOP/step | GFLOP/s"
                  f" | {mem_head} | trainable | {acc_head} |")
     lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    names = list(dict.fromkeys(list(results["speed"]) + list(results["quality"])))
-    names.sort(key=lambda n: list(ROWS).index(n) if n in ROWS else 99)
     for name in names:
         s = results["speed"].get(name)
         q = results["quality"].get(name, {})
@@ -533,9 +533,8 @@ def markdown_table(results: dict) -> str:
                      " its FLOPs over the row's times the row's GFLOP/s over the baseline's.")
     from pockjax.memory import format_bytes
 
-    held = [(n, s["weights_bytes"]) for n, s in sorted(results["speed"].items(),
-                                                         key=lambda kv: list(ROWS).index(kv[0]) if kv[0] in ROWS else 99)
-            if s.get("weights_bytes")]
+    held = [(n, results["speed"][n]["weights_bytes"]) for n in names
+            if results["speed"].get(n, {}).get("weights_bytes")]
     if any(n in PRECISION_ROWS for n, _ in held):
         lines.append("Parameters each pockjax step holds (frozen ones in the row's precision): "
                      + ", ".join(f"{n} {format_bytes(b)}" for n, b in held) + ".")

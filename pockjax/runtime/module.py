@@ -150,8 +150,13 @@ class StatefulModule:
             raise ModuleError(f"weights file {os.fspath(path)!r} lacks state entries {missing[:8]}")
         self.set_state({k: v for k, v in arrays.items() if k in names})
 
+    @property
+    def has_state(self) -> bool:
+        """Whether every state input holds a value (set, loaded or kept in the module)."""
+        return self._in_module or all(i in self._state for i in self.metadata.state_inputs)
+
     def _require_state(self):
-        if self._in_module:
+        if self.has_state:
             return
         missing = [self.metadata.inputs[i].name for i in self.metadata.state_inputs if i not in self._state]
         if missing:

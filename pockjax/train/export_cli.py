@@ -62,7 +62,6 @@ def register(subparsers) -> None:
 
 
 def run_export(args) -> int:
-    import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
@@ -84,12 +83,9 @@ def run_export(args) -> int:
     scheme = llama_scheme(args.scheme, model.config, blocks=args.blocks)
     if args.dtype != "fp32" or args.quantize != "none":
         from pockjax.models.llama.mixed import DTYPES, hold_frozen
-        from pockjax.paths import leaf_paths
-        from pockjax.scheme import Frozen
+        from pockjax.paths import flatten_params
 
-        paths = leaf_paths(params)
-        rules = scheme.resolve(paths, [x.shape for x in jax.tree.leaves(params)])
-        frozen = {p for p, r in zip(paths, rules) if isinstance(r, Frozen)}
+        frozen = scheme.frozen_paths(flatten_params(params))
         params = hold_frozen(params, model.config, frozen.__contains__, quantize=args.quantize,
                              dtype=DTYPES[args.dtype])
     tx = optax.adamw(args.lr)

@@ -551,10 +551,7 @@ def _load_mixed(cfg: FinetuneConfig, source: str, held: dict | None = None):
     def frozen_paths(config):
         scheme = (load_scheme_file(os.path.join(source, "scheme.json")) if cfg.resume
                   else llama_scheme(cfg.scheme, config, blocks=cfg.blocks))
-        flat = llama.flatten_params(abstract_model(config)[1])
-        rules = scheme.resolve(list(flat), [tuple(x.shape) for x in flat.values()], lora_bases=True)
-        frozen = {p for p, r in zip(flat, rules) if isinstance(r, Frozen)}
-        return frozen.__contains__
+        return scheme.frozen_paths(llama.flatten_params(abstract_model(config)[1]), lora_bases=True).__contains__
 
     return load_for_training(source, frozen_paths, quantize=cfg.quantize, dtype=DTYPES[cfg.dtype], held=held)
 

@@ -290,7 +290,7 @@ def _gemma3_fields(reader: GGUFFile, cfg: LlamaConfig) -> LlamaConfig:
         raise GGUFError(f"{path}: metadata key 'gemma3.attention.sliding_window' must be a positive"
                         f" integer, got {window!r}")
     local_base = _field(reader, "gemma3.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)
-    if isinstance(local_base, bool) or not isinstance(local_base, (int, float)) or not local_base > 0:
+    if not is_positive_number(local_base):
         raise GGUFError(f"{path}: gemma3.rope.freq_base_swa must be a positive number, got {local_base!r}")
     types, scalar = gemma3_fixed_fields(cfg)
     try:
