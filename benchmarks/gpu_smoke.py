@@ -21,7 +21,9 @@ compiler (the compiler wheel is 393 MB; the runtime alone is 15 MB):
 
 from __future__ import annotations
 
+import sys
 import time
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,8 @@ import optax
 from flax import nnx
 
 import pockjax
+from pockjax.errors import PockjaxError
+from pockjax.io.atomic import atomic_open
 from pockjax.models import llama
 from pockjax.schemes import resolve_scheme
 from pockjax.train.steps import lm_train_step
@@ -81,7 +85,8 @@ def iree_prepare(out: str, target: str = "cuda") -> int:
         for path, leaf in llama.flatten_params(p).items():
             ref[f"{name}/params/{path}"] = np.asarray(leaf)
         print(f"{name}: exported to {os.path.join(out, name)}", flush=True)
-    np.savez(os.path.join(out, "reference.npz"), **ref)
+    with atomic_open(os.path.join(out, "reference.npz")) as f:  # a killed prepare leaves no half a reference
+        np.savez(f, **ref)
     return 0
 
 
@@ -92,11 +97,30 @@ def iree_check(out: str, target: str = "cuda") -> int:
     from pockjax import runtime
 
     ok = True
-    with np.load(os.path.join(out, "reference.npz")) as z:
-        ref = {k: z[k] for k in z.files}
+    ref_path = os.path.join(out, "reference.npz")
+    if not os.path.isfile(ref_path):
+        print(f"gpu_smoke: no {ref_path}: run --iree-prepare {out} first (where iree-base-compiler is)"
+              " and copy that directory here", file=sys.stderr)
+        return 2
+    try:
+        with np.load(ref_path) as z:
+            ref = {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        print(f"gpu_smoke: {ref_path} is not a readable reference ({e}); run --iree-prepare {out} again",
+              file=sys.stderr)
+        return 2
+    needed = [f"batch{i}" for i in range(3)] + [f"{n}/loss{i}" for n in ("full", "paper") for i in range(IREE_STEPS)]
+    missing = [k for k in needed if k not in ref]
+    if missing:
+        print(f"gpu_smoke: {ref_path} lacks {missing}; run --iree-prepare {out} again", file=sys.stderr)
+        return 2
     batch = [ref[f"batch{i}"] for i in range(3)]
     for name in ("full", "paper"):
-        module = runtime.load(os.path.join(out, name), target=target)
+        try:
+            module = runtime.load(os.path.join(out, name), target=target)
+        except (PockjaxError, runtime.ModuleError) as e:  # missing or corrupt export, or another target's
+            print(f"gpu_smoke: {e}; run --iree-prepare {out} --iree-target {target} again", file=sys.stderr)
+            return 2
         losses, times = [], []
         for _ in range(IREE_STEPS):
             t = time.perf_counter()
@@ -104,7 +128,8 @@ def iree_check(out: str, target: str = "cuda") -> int:
             times.append(time.perf_counter() - t)
             losses.append(float(loss))
         want = [float(ref[f"{name}/loss{i}"]) for i in range(IREE_STEPS)]
-        loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, want))
+        # np.max, not max(): a NaN (in the module's results or the reference) must fail, not be skipped
+        loss_err = float(np.max(np.abs(np.subtract(losses, want)) / np.maximum(np.abs(want), 1e-12)))
         state = module.get_state()
         worst, checked = 0.0, 0
         for key, value in ref.items():
@@ -115,9 +140,14 @@ def iree_check(out: str, target: str = "cuda") -> int:
                 print(f"{name}: the module's state has no {path!r}", flush=True)
                 ok = False
                 continue
+            if np.shape(state[path]) != np.shape(value):  # no broadcasting one against the other
+                print(f"{name}: {path!r} has shape {np.shape(state[path])} in the module, {np.shape(value)}"
+                      " in the reference", flush=True)
+                ok = False
+                continue
             # as np.testing.assert_allclose: |got - want| <= atol + rtol * |want|, element by element
             excess = np.abs(state[path] - value) / (IREE_ATOL + IREE_RTOL * np.abs(value))
-            worst = max(worst, float(np.max(excess)))
+            worst = float(np.max([worst, np.max(excess)]))  # NaN stays NaN, and fails below
             checked += 1
         good = loss_err <= IREE_RTOL and worst <= 1.0 and checked > 0
         ok = ok and good

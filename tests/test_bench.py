@@ -323,6 +323,38 @@ def test_bad_rows_are_refused(tmp_path):
                          "pockjax-paper-iree"}
 
 
+def test_duplicated_rows_and_quality_rows_without_steps_are_refused(tmp_path, capsys, monkeypatch):
+    """A row named twice (it would run twice a round, or a quality row overwrite
+    its own result) and ``--quality-rows`` without ``--quality-steps`` (silently
+    no quality phase, and the whole default speed phase instead) exit with 2
+    before anything runs."""
+    import benchmarks.harness.classifier_runner as classifier_runner
+    import benchmarks.harness.runner as runner
+    from pockjax.cli import main
+
+    def ran(*a, **k):
+        raise AssertionError("the bench ran")
+
+    monkeypatch.setattr(runner, "_prepare", ran)
+    monkeypatch.setattr(classifier_runner, "prepare", ran)
+
+    def code(argv):
+        try:
+            return main(["bench", "--model", "tiny", *argv, "--out", str(tmp_path / "out"), "--no-progress"])
+        except SystemExit as e:
+            return e.code
+
+    for argv, says in [(["--rows", "pockjax-paper-int8,pockjax-paper,pockjax-paper-int8"],
+                        "rows ['pockjax-paper-int8'] are given more than once"),
+                       (["--rows", "none", "--quality-steps", "2", "--quality-rows", "pockjax-paper,pockjax-paper"],
+                        "rows ['pockjax-paper'] are given more than once"),
+                       (["--quality-rows", "pockjax-paper"], "--quality-rows needs --quality-steps"),
+                       (["--workload", "minilm", "--rows", "pockjax-paper,pockjax-paper"], "more than once")]:
+        assert code(argv) == 2, argv
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_bench_outside_a_source_checkout_says_so_in_one_line(monkeypatch, capsys):
     """Installed without its checkout, ``pockjax bench`` (whatever its arguments) answers in one line."""
     import pockjax.cli

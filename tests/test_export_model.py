@@ -148,3 +148,30 @@ def test_export_model_cli_refuses_what_a_format_cannot_hold(tmp_path, capsys):
         export_model("unused", str(tmp_path / "x"), format="onnx")
     code = pockjax.cli.main(["export-model", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "o.gguf")])
     assert code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_export_model_refuses_an_output_path_it_cannot_write_before_loading(tiny, tmp_path, capsys, monkeypatch):
+    """A directory for the GGUF file, a file for the safetensors directory, a
+    path under a file and an empty path are one-line errors (status 2) naming
+    ``--out``, found before the model loads; a GGUF file in a missing directory
+    is written there."""
+    import pockjax.cli
+
+    model, tok = tiny
+    src = str(tmp_path / "src.gguf")
+    save_gguf(model, tok, src, quant="f32")
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setattr(llama, "load_pretrained", lambda source: pytest.fail("loaded the model first"))
+    for out, fmt, says in [(tmp_path / "adir", "gguf", "is a directory, but GGUF is one file"),
+                           (tmp_path / "afile", "safetensors", "is an existing file, but safetensors writes a"),
+                           (tmp_path / "afile" / "m.gguf", "gguf", "which is a file, not a directory"),
+                           ("", "gguf", "--out) is empty")]:
+        code = pockjax.cli.main(["export-model", "--model", src, "--format", fmt, "--quant", "f32",
+                                 "--out", str(out)])
+        err = capsys.readouterr().err
+        assert code == 2 and says in err and err.count("\n") == 1, err
+    assert sorted(os.listdir(tmp_path / "adir")) == [] and (tmp_path / "afile").read_text() == "x"
+    monkeypatch.undo()
+    out = export_model(src, str(tmp_path / "new" / "sub" / "m.gguf"), quant="f32")
+    assert llama.load_tokenizer(out).encode("abc 12") == tok.encode("abc 12")

@@ -147,6 +147,33 @@ def test_a_step_that_has_not_run_refuses_to_export_no_weights_as_if_it_had_some(
         compiled.export(str(tmp_path / "m"))
 
 
+def test_an_export_with_bad_state_or_a_file_for_its_path_is_refused_and_leaves_nothing(tmp_path):
+    """``state=`` of the wrong length, shape or dtype is refused before the
+    directory is made (no empty export left behind), and a path that is an
+    existing file is a pockjax error naming it, not ``FileExistsError``."""
+    import jax
+
+    import pockjax
+    from pockjax.errors import PockjaxError
+
+    step, tx, params, x, y = _mlp_adam_step()
+    compiled = pockjax.compile(step, target="cpu").lower(params, tx.init(params), x, y).compile()
+    flat = [np.asarray(a) for a in jax.tree.leaves((params, tx.init(params), x, y))]
+    state = [flat[i] for i in compiled.executable.exe.metadata.state_inputs]
+    wrong_shape = [state[0].reshape(1, -1)] + state[1:]
+    for bad, says in [(state[:-1], f"expected {len(state)} state arrays, got {len(state) - 1}.*state order"),
+                      ((params, tx.init(params)), "expected .* state arrays, got 2"),
+                      (wrong_shape, "expected shape"),
+                      ([state[0].astype(np.float64)] + state[1:], "expected dtype float32")]:
+        with pytest.raises(ValueError, match=says):
+            compiled.export(str(tmp_path / "new" / "m"), state=bad)
+        assert not os.path.exists(tmp_path / "new")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(PockjaxError, match="'.*file' is an existing file, not a directory"):
+        compiled.export(str(tmp_path / "file"), state=state)
+    assert (tmp_path / "file").read_text() == "x"
+
+
 def test_full_flat_call_has_jax_semantics():
     fs = S.mlp_step()
     exe = S.bound_executable("mlp", "cpu")

@@ -56,6 +56,10 @@ def _cmd(args: argparse.Namespace) -> int:
         for name, row in ROWS.items():
             print(f"{name:22s} {row.description}")
         return 0
+    if args.quality_steps == 0 and args.quality_rows is not None and args.quality_rows.strip() not in ("", "none"):
+        print("pockjax bench: --quality-rows needs --quality-steps N (N >= 1); without it there is no quality"
+              " phase", file=sys.stderr)
+        return 2
     if args.workload != "llama":
         return _classifier_cmd(args)
     cfg = llama_config(args)
@@ -98,6 +102,10 @@ def _row_names(text: str | None, default, table, what: str) -> list[str] | None:
     bad = [t for t in out if t not in table]
     if bad:
         print(f"pockjax bench: unknown {what}rows {bad}; rows: {', '.join(table)}", file=sys.stderr)
+        raise SystemExit(2)
+    twice = sorted({t for t in out if out.count(t) > 1})
+    if twice:  # a speed row would run twice a round, a quality row overwrite its own result
+        print(f"pockjax bench: {what}rows {twice} are given more than once; name each row once", file=sys.stderr)
         raise SystemExit(2)
     return out
 

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
+from pockjax import errors
 from pockjax.io.atomic import atomic_directory, remove_stale_temporaries, write_bytes, write_json
 from pockjax.runtime.heap import HEAP_DRIVERS
 from pockjax.runtime.metadata import (
@@ -187,9 +188,9 @@ def export_module(
     exports in ``path`` and beside it are removed first.
     """
     path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    for d in (path, os.path.dirname(os.path.abspath(path))):  # what killed exports left
-        remove_stale_temporaries(d)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise errors.InputError(f"export path {path!r} is an existing file, not a directory: give a directory"
+                                " (it is created), or remove the file")
     meta = dataclasses.replace(compiled.metadata, extra={**compiled.metadata.extra, **dict(extra or {})})
     if weights is not None and weights_file is not None:
         raise ValueError("give weights or weights_file, not both")
@@ -199,7 +200,10 @@ def export_module(
         if not isinstance(weights, Mapping):
             weights = list(weights)
             if len(weights) != len(state_specs):
-                raise ValueError(f"expected {len(state_specs)} state arrays, got {len(weights)}")
+                names = ", ".join(s.name for s in state_specs[:3]) + (", ..." if len(state_specs) > 3 else "")
+                raise errors.InputError(f"expected {len(state_specs)} state arrays, got {len(weights)}: give one"
+                                        f" array per state input of the module, flat and in its state order"
+                                        f" ({names})")
             weights = {s.name: w for s, w in zip(state_specs, weights)}
         checked = {}
         for s in state_specs:
@@ -211,6 +215,10 @@ def export_module(
         meta.weights = {"file": os.fspath(weights_file), "format": "irpa"}
     elif meta.state_storage == "parameters":
         raise ValueError("a module with parameter-backed state needs weights= or weights_file= to export")
+    # Only now, with the weights checked: a refused export leaves no empty directory behind.
+    os.makedirs(path, exist_ok=True)
+    for d in (path, os.path.dirname(os.path.abspath(path))):  # what killed exports left
+        remove_stale_temporaries(d)
     owned = (weights_file is None and not os.path.islink(path)
              and set(os.listdir(path)) <= {MODULE_FILE, METADATA_FILE, WEIGHTS_FILE})
     if owned:

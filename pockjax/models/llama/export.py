@@ -304,6 +304,23 @@ def _check_gemma3_for_llama_cpp(cfg: LlamaConfig) -> None:
                           + "; ".join(problems) + ". Export it with --format safetensors instead")
 
 
+def _check_output(out: str, format: str) -> None:
+    """Refuses an output path that ``format`` cannot be written to, naming it and the fix."""
+    if not out:
+        raise ExportError("the output path (--out) is empty: give the .gguf file, or the safetensors directory")
+    if format == "gguf" and (os.path.isdir(out) or out.endswith(("/", os.sep))):
+        raise ExportError(f"--out {out!r} is a directory, but GGUF is one file: give a file path such as"
+                          f" {os.path.join(out, 'model.gguf')!r}")
+    if format == "safetensors" and os.path.lexists(out) and not os.path.isdir(out):
+        raise ExportError(f"--out {out!r} is an existing file, but safetensors writes a directory (config.json,"
+                          " model.safetensors, tokenizer.json): give a directory path, or remove the file")
+    above = os.path.dirname(os.path.abspath(out))
+    while not os.path.lexists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise ExportError(f"--out {out!r} lies under {above!r}, which is a file, not a directory")
+
+
 def export_model(source: str, out: str, *, format: str = "gguf", quant: str = "f16") -> str:
     """Writes the model at ``source`` as a GGUF file or a Hugging Face directory; returns ``out``.
 
@@ -329,8 +346,10 @@ def export_model(source: str, out: str, *, format: str = "gguf", quant: str = "f
                           " (safetensors takes f32 or f16)")
     if format == "gguf" and quant not in GGUF_QUANTS:
         raise ExportError(f"unknown GGUF quantization {quant!r}; use one of {', '.join(GGUF_QUANTS)}")
+    _check_output(os.fspath(out), format)  # before the model loads
     model, tokenizer = load_pretrained(source)
     if format == "gguf":
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)  # as safetensors makes its directory
         save_gguf(model, tokenizer, out, quant=quant, name=os.path.basename(os.path.normpath(source)))
     else:
         save_hf_checkpoint(model, out, dtype=np.float16 if quant == "f16" else np.float32)
