@@ -175,3 +175,35 @@ def test_export_model_refuses_an_output_path_it_cannot_write_before_loading(tiny
     monkeypatch.undo()
     out = export_model(src, str(tmp_path / "new" / "sub" / "m.gguf"), quant="f32")
     assert llama.load_tokenizer(out).encode("abc 12") == tok.encode("abc 12")
+
+
+def test_safetensors_export_replaces_its_directory_whole_and_never_one_with_other_files(tiny, tmp_path, monkeypatch):
+    """A safetensors export is built beside ``--out`` and renamed into place: an
+    export that fails midway leaves the earlier one whole (no new weights beside
+    an old tokenizer), and a directory holding other files is refused, not replaced."""
+    from pockjax.models.llama import export as export_mod
+    from pockjax.models.llama import tokenizer as tokenizer_mod
+
+    model, tok = tiny
+    src = str(tmp_path / "src.gguf")
+    save_gguf(model, tok, src, quant="f32")
+    out = tmp_path / "hf"
+    export_model(src, str(out), format="safetensors", quant="f32")
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    assert sorted(before) == sorted(export_mod.HF_EXPORT_FILES)
+
+    def broken_save(self, path):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tokenizer_mod.Tokenizer, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):  # after model.safetensors is written, before the tokenizer
+        export_model(src, str(out), format="safetensors", quant="f16")
+    monkeypatch.undo()
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+    assert sorted(os.listdir(tmp_path)) == ["hf", "src.gguf"]  # no temporary left beside it
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoint.npz").write_bytes(b"keep")
+    with pytest.raises(ExportError, match=r"holds files a safetensors export does not write \(checkpoint.npz\)"):
+        export_model(src, str(tmp_path / "run"), format="safetensors", quant="f32")
+    assert os.listdir(tmp_path / "run") == ["checkpoint.npz"]

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from pockjax.errors import PockjaxError
+from pockjax.io.atomic import atomic_directory
 from pockjax.io.gguf import Typed, write_gguf
 from pockjax.models.llama.config import LlamaConfig, rope_freq_factors
 from pockjax.models.llama.gguf import GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_ROPE_BASE, GEMMA3_TENSORS, gemma3_fixed_fields
@@ -304,6 +305,10 @@ def _check_gemma3_for_llama_cpp(cfg: LlamaConfig) -> None:
                           + "; ".join(problems) + ". Export it with --format safetensors instead")
 
 
+#: The files a ``--format safetensors`` export writes (its directory holds these only).
+HF_EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
 def _check_output(out: str, format: str) -> None:
     """Refuses an output path that ``format`` cannot be written to, naming it and the fix."""
     if not out:
@@ -314,6 +319,13 @@ def _check_output(out: str, format: str) -> None:
     if format == "safetensors" and os.path.lexists(out) and not os.path.isdir(out):
         raise ExportError(f"--out {out!r} is an existing file, but safetensors writes a directory (config.json,"
                           " model.safetensors, tokenizer.json): give a directory path, or remove the file")
+    if format == "safetensors" and os.path.isdir(out):
+        # the export replaces the directory as a whole: never one that holds anything else
+        others = sorted(set(os.listdir(out)) - set(HF_EXPORT_FILES))
+        if others:
+            raise ExportError(f"--out {out!r} holds files a safetensors export does not write ({', '.join(others[:4])}"
+                              f"{', ...' if len(others) > 4 else ''}), and the export replaces the directory as a"
+                              " whole: give a new directory, or one that holds only an earlier export")
     above = os.path.dirname(os.path.abspath(out))
     while not os.path.lexists(above):
         above = os.path.dirname(above)
@@ -328,13 +340,16 @@ def export_model(source: str, out: str, *, format: str = "gguf", quant: str = "f
       source: what :func:`~pockjax.models.llama.load_pretrained` loads: a
         ``pockjax finetune`` output directory (its merged weights), a
         Hugging Face LLaMA directory, a ``.gguf`` file, or a model name.
-      out: the ``.gguf`` file, or the directory (``config.json``,
-        ``model.safetensors``, ``tokenizer.json``) for ``safetensors``.
+      out: the ``.gguf`` file, or the directory (:data:`HF_EXPORT_FILES`)
+        for ``safetensors``. Either is written whole or not at all: the
+        directory is built beside ``out`` and renamed into place, so it may
+        exist only empty or holding an earlier export.
       format: ``gguf`` or ``safetensors``.
       quant: ``f32``, ``f16``, ``q8_0``, ``q4_0`` (GGUF); ``f32`` or ``f16`` (safetensors).
 
     Raises:
-      ExportError: an unknown format, a quantization the format cannot hold,
+      ExportError: an ``out`` that cannot be written (checked before the
+        model loads), an unknown format, a quantization the format cannot hold,
         or a model or tokenizer the GGUF format cannot describe (see :func:`save_gguf`).
     """
     from pockjax.models.llama import load_pretrained, save_hf_checkpoint
@@ -352,6 +367,9 @@ def export_model(source: str, out: str, *, format: str = "gguf", quant: str = "f
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)  # as safetensors makes its directory
         save_gguf(model, tokenizer, out, quant=quant, name=os.path.basename(os.path.normpath(source)))
     else:
-        save_hf_checkpoint(model, out, dtype=np.float16 if quant == "f16" else np.float32)
-        tokenizer.save(out)
+        # built beside ``out`` and renamed into place: an interrupted export leaves the earlier one
+        # whole, never new weights beside an old tokenizer
+        with atomic_directory(out) as tmp:
+            save_hf_checkpoint(model, tmp, dtype=np.float16 if quant == "f16" else np.float32)
+            tokenizer.save(tmp)
     return out
