@@ -42,6 +42,9 @@ def test_only_the_last_reply_is_trained(tmp_path):
     ({"messages": CHAT["messages"][1:3], "id": 7}, "only 'messages'"),
     ({"messages": [CHAT["messages"][1], CHAT["messages"][0], CHAT["messages"][1], CHAT["messages"][2]]},
      "system message may only come first"),
+    ({"messages": [CHAT["messages"][1], {"role": "assistant", "content": "  "}]},
+     "last assistant message \\(the answer trained on\\) is empty"),
+    ({"instruction": "Add.", "input": "2 3", "output": ""}, "empty 'output'"),
 ])
 def test_bad_chat_records_name_the_line(tmp_path, record, message):
     p = _write(tmp_path / "d.jsonl", [CHAT, record])

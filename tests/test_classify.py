@@ -163,6 +163,20 @@ def test_cli_refuses_a_task_of_another_kind_and_llama_options():
     assert out.returncode == 2 and "--task 'mnist5k' is not a LLaMA task" in out.stderr
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--warmup", "5"], "--warmup is for the LLaMA models"),
+    (["--schedule", "cosine", "--grad-clip", "1"], "--schedule, --grad-clip are for the LLaMA models"),
+    (["--eval-every", "10"], "--eval-every is for the LLaMA models"),
+    (["--save-every", "10"], "--save-every is for the LLaMA models"),
+])
+def test_cli_refuses_llama_training_options_for_a_classifier(argv, message, capsys):
+    """Not accepted and ignored: a classifier trains at a constant rate, unclipped, writing --out at the end."""
+    from pockjax.cli import main as cli_main
+
+    assert cli_main(["finetune", "--model", "mobilenetv2", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("model,extra", [
     ("mobilenetv2", ["--image-size", "32", "--train-per-class", "8", "--batch-size", "16"]),
     ("all-minilm-l6-v2", ["--seq-len", "24", "--train-per-class", "16", "--batch-size", "8"]),

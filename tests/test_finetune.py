@@ -221,6 +221,7 @@ def test_schedule_clip_and_curves(tmp_path, tok):
     (dict(schedule="step"), "--schedule must be constant, cosine or linear"),
     (dict(warmup=4), "--warmup 4 leaves no step at the full learning rate"),
     (dict(grad_clip=-1.0), "--grad-clip must be a finite number > 0"),
+    (dict(eval_every=5), "--eval-every 5 is beyond --steps 4: no held-out loss would ever be computed"),
 ])
 def test_bad_schedule_options_are_refused(tmp_path, tok, kw, message):
     with pytest.raises(FinetuneError, match=message):
@@ -261,3 +262,27 @@ def test_held_out_loss_every_n_steps(tmp_path, tok):
     assert rows[0][-1] == "val_loss" and rows[2][-1] == str(result.metrics["val_losses"][0][1]) and rows[1][-1] == ""
     with pytest.raises(FinetuneError, match="--eval-examples is 0"):
         finetune(cfg(eval_every=2, eval_examples=0), model=tiny_model(), tokenizer=tok, log=lambda s: None)
+
+
+def test_out_that_is_a_file_is_refused_before_any_work(tok, tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(FinetuneError, match="--out .*f is an existing file, but a run writes a directory"):
+        finetune(cfg(out=str(tmp_path / "f")), model=tiny_model(), tokenizer=tok, log=lambda s: None)
+    with pytest.raises(FinetuneError, match="lies under .*f, which is a file, not a directory"):
+        finetune(cfg(out=str(tmp_path / "f" / "run")), model=tiny_model(), tokenizer=tok, log=lambda s: None)
+    assert (tmp_path / "f").read_text() == "x"
+
+
+def test_resume_of_a_scheduled_run(tok, tmp_path, capsys):
+    """A cosine run resumes with its own --steps only; restating its --warmup or resuming a finished run works."""
+    out = str(tmp_path / "cos")
+    finetune(cfg(out=out, steps=101, warmup=100, schedule="cosine", save_every=1000, eval_examples=0, show=0),
+             model=tiny_model(), tokenizer=tok, log=lambda s: None)
+    # its own --warmup restated without --steps: checked against the run's 101 steps, not the CLI's default 100
+    assert cli_main(["finetune", "--out", out, "--resume", "--warmup", "100", "--no-progress"]) == 0
+    # a finished run resumed (no step left) stays resumable: metrics.json holds no NaN seconds per step
+    assert cli_main(["finetune", "--out", out, "--resume", "--no-progress"]) == 0, capsys.readouterr().err
+    assert json.load(open(os.path.join(out, "metrics.json")))["seconds_per_step"] is None
+    with pytest.raises(FinetuneError, match="with --steps 120: its cosine schedule takes the learning rate to 0"
+                                            " at the run's own --steps 101"):
+        finetune(cfg(out=out, resume=True, steps=120, eval_examples=0), log=lambda s: None)

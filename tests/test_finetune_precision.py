@@ -103,6 +103,32 @@ def test_bad_precision_options_are_refused(dirs, tmp_path, capsys):
     assert "classifiers train in float32" in capsys.readouterr().err
 
 
+def test_precision_flags_that_would_change_nothing_are_refused(dirs, tmp_path):
+    plain, _ = dirs
+    with pytest.raises(FinetuneError, match="--quantize int8 holds the frozen matrices block-quantized, but the"
+                                            " scheme full freezes none"):
+        finetune(cfg(model=plain, scheme="full", quantize="int8", out=str(tmp_path / "f")), log=lambda s: None)
+    for kw in (dict(quantize="int4"), dict(dtype="bf16")):  # a model passed in is not loaded by finetune
+        with pytest.raises(FinetuneError, match="choose how finetune loads config.model; a model passed in"):
+            finetune(cfg(**kw), model=llama.Llama(TINY, rngs=nnx.Rngs(0)),
+                     tokenizer=llama.Tokenizer.byte_level_for_tests(), log=lambda s: None)
+    assert not os.path.exists(tmp_path / "f")
+
+
+@pytest.mark.parametrize("kw", [dict(quantize="int4"), dict(dtype="bf16")])
+def test_lora_over_held_frozen_weights_saves(dirs, tmp_path, kw):
+    """LoRA on int4 / bf16-held bases: the checkpoint (with the adapters' float bases) is written."""
+    plain, _ = dirs
+    out = str(tmp_path / "lora")
+    result = finetune(cfg(model=plain, scheme="lora", lr=1e-2, steps=2, out=out, **kw), log=lambda s: None)
+    assert all(np.isfinite(result.metrics["losses"]))
+    from pockjax.io.safetensors import read_safetensors
+
+    saved = read_safetensors(os.path.join(out, "state", "adapters.safetensors"))
+    assert saved and all(np.asarray(v).dtype == np.float32 for v in saved.values())
+    llama.load_pretrained(out)  # the merged model loads
+
+
 def test_cli_int4_bf16_run(dirs, tmp_path, capsys):
     plain, _ = dirs
     out = str(tmp_path / "cli")

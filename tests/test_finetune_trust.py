@@ -397,3 +397,22 @@ def test_resume_with_corrupt_metrics_names_the_file(run4, tmp_path):
         f.write("{not json")
     with pytest.raises(FileFormatError, match=r"metrics\.json:1: invalid JSON"):
         finetune(cfg(out=out, resume=True, steps=6), **QUIET)
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"losses": ["a", "b", "c", "d"]}, "'losses' is not a list of finite numbers"),
+    ({"losses": None}, "'losses' is not a list of finite numbers"),
+    ({"val_losses": [[2]]}, "'val_losses' is not a list of \\[step, finite loss\\] pairs"),
+    ({"val_losses": "x"}, "'val_losses' is not a list"),
+    ({"trained_weight_norm_start": -1.0}, "'trained_weight_norm_start' is not a finite number >= 0"),
+    ({"trained_weight_norm_start": "3"}, "'trained_weight_norm_start' is not a finite number >= 0"),
+])
+def test_resume_with_corrupt_metrics_values_is_refused(run4, tmp_path, patch, message):
+    """Valid JSON with wrong values: refused before any step (not carried into the curves, nor a crash later)."""
+    out = str(tmp_path / "run")
+    shutil.copytree(run4, out)
+    metrics = json.load(open(os.path.join(out, "metrics.json")))
+    metrics.update(patch)
+    json.dump(metrics, open(os.path.join(out, "metrics.json"), "w"))
+    with pytest.raises(FinetuneError, match=f"cannot resume from .*run: its metrics.json is corrupt \\({message}"):
+        finetune(cfg(out=out, resume=True, steps=6), **QUIET)

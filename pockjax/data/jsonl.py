@@ -64,9 +64,9 @@ def load_alpaca_jsonl(path: str | os.PathLike) -> list[Example]:
     Raises:
       DataError: missing file, no records, or a malformed line (binary data,
         not UTF-8, invalid JSON, not an object, missing/non-string
-        ``instruction`` or ``output``, a non-string ``input``, a chat
-        record that does not end with a user message and the assistant's
-        reply), with ``path:line`` in the message.
+        ``instruction`` or ``output``, a non-string ``input``, an empty
+        instruction or answer, a chat record that does not end with a user
+        message and the assistant's reply), with ``path:line`` in the message.
 
     Example:
       >>> import pathlib, tempfile
@@ -112,6 +112,9 @@ def load_alpaca_jsonl(path: str | os.PathLike) -> list[Example]:
                                 f" (\\ud800-\\udfff), which is not text")
         if not record["instruction"].strip():
             raise DataError(f"{where}: empty 'instruction'")
+        if not record["output"].strip():
+            raise DataError(f"{where}: empty 'output': the answer trained on would be only the end of the turn;"
+                            f" fill it in or leave the record out")
         examples.append(Example(alpaca_prompt(record["instruction"], inp),
                                 record["output"].strip(), "jsonl"))
     if not examples:
@@ -146,6 +149,9 @@ def _chat_example(record: dict, where: str) -> Example:
                         f" (the answer trained on); this one ends with {turns[-2][0]}, {turns[-1][0]}")
     if not turns[-2][1].strip():
         raise DataError(f"{where}: the last user message is empty")
+    if not turns[-1][1].strip():
+        raise DataError(f"{where}: the last assistant message (the answer trained on) is empty: it would train"
+                        f" only the end of the turn; fill it in or leave the record out")
     return Example(turns[-2][1].strip(), turns[-1][1].strip(), "jsonl", tuple(turns[:-2]))
 
 

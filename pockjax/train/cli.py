@@ -78,6 +78,13 @@ def run_finetune(args: argparse.Namespace) -> int:
         if args.grad_accum != _D.grad_accum or args.max_seq_len is not None:
             return _error("finetune", ValueError("--grad-accum and --max-seq-len are for the LLaMA models; the"
                                                  " classifiers train on fixed-shape batches of --batch-size"))
+        llama_only = [f"--{name.replace('_', '-')}" for name in ("schedule", "warmup", "grad_clip", "eval_every",
+                                                                 "save_every", "show") if name in given_options(args)]
+        if llama_only:
+            return _error("finetune", ValueError(f"{', '.join(llama_only)} {'is' if len(llama_only) == 1 else 'are'}"
+                                                 f" for the LLaMA models; the classifiers train at a constant"
+                                                 f" learning rate, without clipping, and write --out at the end"
+                                                 f" (leave {'it' if len(llama_only) == 1 else 'them'} out)"))
         return run_classifier(args)
     if args.image_size != _IMAGE_SIZE or args.train_per_class != _PER_CLASS or args.fraction != 0.5:
         return _error("finetune", ValueError("--image-size, --train-per-class and --fraction are for the"

@@ -382,7 +382,7 @@ def write_output(out: str, *, model: Any, tokenizer: Any, scheme: pockjax.Update
             from pockjax.io.safetensors import write_safetensors
 
             write_safetensors(os.path.join(tmp, "state", ADAPTERS_FILE),
-                              {f"{path}.{part}": np.asarray(getattr(t, part)) for path, t in adapters.items()
+                              {f"{path}.{part}": _host_float(getattr(t, part)) for path, t in adapters.items()
                                for part in LORA_PARTS})
         leaves = jax.tree.leaves(opt_state)
         np.savez(os.path.join(tmp, "state", "opt_state.npz"),
@@ -391,6 +391,11 @@ def write_output(out: str, *, model: Any, tokenizer: Any, scheme: pockjax.Update
                     "opt_state_leaves": len(leaves),
                     "opt_state_shapes": [list(np.shape(x)) for x in leaves]},
                    os.path.join(tmp, "state", "trainer.json"))
+
+
+def _host_float(x: Any) -> np.ndarray:
+    """``x`` on the host; a quantized or bf16-held LoRA base (:class:`~pockjax.quant.QTensor`) as its float32 value."""
+    return np.asarray(quant.dequantize(x, np.float32)) if quant.is_qtensor(x) else np.asarray(x)
 
 
 def _curve_rows(metrics: dict, run: dict) -> list[tuple[int, float, float, float | None]]:
@@ -590,8 +595,12 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _validate(cfg: FinetuneConfig) -> None:
-    """Refuses a number out of range (one line naming the option), before any work."""
+def _validate(cfg: FinetuneConfig, steps_known: bool = True) -> None:
+    """Refuses a number out of range (one line naming the option), before any work.
+
+    ``steps_known=False``: ``cfg.steps`` may be a placeholder (a ``--resume``
+    before the run's own options are read): the checks against it wait.
+    """
     for name, low in _INT_MIN.items():
         value = getattr(cfg, name)
         if value is None and name in ("blocks", "seq_len", "eval_max_new_tokens", "max_seq_len"):
@@ -614,9 +623,12 @@ def _validate(cfg: FinetuneConfig) -> None:
         raise FinetuneError("--eval-every computes the loss on the held-out examples: --eval-examples is 0")
     if cfg.eval_every and cfg.mesh:
         raise FinetuneError("--eval-every runs on one device for now: leave out --mesh / --devices")
-    if cfg.warmup and cfg.warmup >= cfg.steps:
+    if steps_known and cfg.warmup and cfg.warmup >= cfg.steps:
         raise FinetuneError(f"--warmup {cfg.warmup} leaves no step at the full learning rate of a run of"
                             f" --steps {cfg.steps}; use a shorter warm-up")
+    if steps_known and cfg.eval_every > cfg.steps:
+        raise FinetuneError(f"--eval-every {cfg.eval_every} is beyond --steps {cfg.steps}: no held-out loss"
+                            f" would ever be computed; use --eval-every {cfg.steps} or less")
     from pockjax.models.llama.mixed import DTYPES, QUANTIZE
 
     for name, choices in (("dtype", DTYPES), ("quantize", QUANTIZE), ("schedule", SCHEDULES)):
@@ -638,6 +650,19 @@ def _validate(cfg: FinetuneConfig) -> None:
         if cfg.batch_size % split:
             raise FinetuneError(f"--batch-size {cfg.batch_size} cannot be split over the {split} devices"
                                 f" of --mesh {cfg.mesh}: use a multiple of {split}")
+
+
+def _check_out_path(out: str) -> None:
+    """Refuses an ``--out`` that is a file or lies under one (before any work, not at the first save)."""
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise FinetuneError(f"--out {out} is an existing file, but a run writes a directory there: give a"
+                            f" directory path, or remove the file")
+    above = os.path.dirname(out)
+    while not os.path.lexists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise FinetuneError(f"--out {out} lies under {above}, which is a file, not a directory: give"
+                            f" another --out")
 
 
 def _same_option(name: str, given: Any, saved: FinetuneConfig, n_layers: int | None = None) -> bool:
@@ -700,6 +725,29 @@ def _resume_config(cfg: FinetuneConfig, out: str, run: dict, given: set[str]) ->
     return dataclasses.replace(saved, **keep, out=cfg.out, resume=True)
 
 
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_metrics(out: str, metrics: dict) -> None:
+    """Refuses a ``metrics.json`` whose curves a resumed run would carry on wrongly (or crash on, steps later)."""
+    losses, held = metrics.get("losses", []), metrics.get("val_losses", [])
+    norm, before = metrics.get("trained_weight_norm_start"), metrics.get("accuracy_before")
+    checks = [
+        (isinstance(losses, list) and all(map(_is_number, losses)), "'losses' is not a list of finite numbers"),
+        (isinstance(held, list) and all(isinstance(v, list) and len(v) == 2 and type(v[0]) is int
+                                        and _is_number(v[1]) for v in held),
+         "'val_losses' is not a list of [step, finite loss] pairs"),
+        (type(metrics.get("step", 0)) is int, "'step' is not a whole number"),
+        (norm is None or (_is_number(norm) and norm >= 0), "'trained_weight_norm_start' is not a finite number >= 0"),
+        (before is None or (_is_number(before) and 0 <= before <= 1), "'accuracy_before' is not a number in [0, 1]"),
+    ]
+    bad = next((what for ok, what in checks if not ok), None)
+    if bad:
+        raise FinetuneError(f"cannot resume from {out}: its metrics.json is corrupt ({bad}); it cannot be"
+                            f" continued: start a new run in another --out")
+
+
 def _host_norm(params: Any, paths: list[str]) -> float:
     """L2 norm of the tensors ``paths`` of ``params`` (flat dict)."""
     return math.sqrt(sum(float(np.sum(np.square(np.asarray(params[p]).astype(np.float64))))
@@ -754,8 +802,10 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     log = log or (lambda s: print(s, flush=True))
     t_start = time.time()
     cfg = dataclasses.replace(config)
-    _validate(cfg)
+    _validate(cfg, steps_known=not cfg.resume)  # a resumed run's steps: below, once its own are read
     out = os.path.abspath(cfg.out) if cfg.out else None
+    if out:
+        _check_out_path(out)
 
     # -- 1. validate everything before touching the output directory ----------------
     resume_state = None
@@ -785,6 +835,12 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
             raise FinetuneError(f"--steps {cfg.steps} is below the step the run in {out} has"
                                 f" reached ({reached}); its weights cannot go back: pass --steps"
                                 f" >= {reached}, or none (the run's own, {saved_run['config'].get('steps')})")
+        if cfg.schedule != "constant" and cfg.steps != saved_run["config"].get("steps"):
+            raise FinetuneError(f"cannot resume {out} with --steps {cfg.steps}: its {cfg.schedule} schedule"
+                                f" takes the learning rate to 0 at the run's own --steps"
+                                f" {saved_run['config'].get('steps')}, so another --steps changes the rate of"
+                                f" every step (the run would not continue exactly); leave out --steps, or"
+                                f" start a new run in another --out")
         if cfg.data and saved_run.get("data_sha256") not in (None, file_sha256(cfg.data)):
             raise FinetuneError(f"cannot resume {out}: {cfg.data} changed since the run started"
                                 f" (its SHA-256 differs from the one in run.json)")
@@ -811,6 +867,10 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         log(f"resuming {out} at step {resume_state[0]['step']}")
     elif model is None:
         model, tokenizer = llama.load_pretrained(cfg.model)
+    elif mixed and not isinstance(model, LlamaWeights):
+        raise FinetuneError(f"--dtype {cfg.dtype} / --quantize {cfg.quantize} choose how finetune loads"
+                            f" config.model; a model passed in is trained as it is: pass model=None, or hold"
+                            f" its frozen tensors yourself (pockjax.models.llama.mixed.hold_frozen)")
     elif tokenizer is None:
         raise FinetuneError("pass a tokenizer with the model")
     else:
@@ -841,6 +901,11 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
                           f" or channels(...) rule")
     # QTensor values stay whole (frozen, never read); a LoRA tensor is its base and adapters
     flat_params = expand_flat(llama.flatten_params(params))
+    if cfg.quantize != "none" and not any(quant.is_qtensor(x) and x.qtype != "bf16" for x in flat_params.values()):
+        raise FinetuneError(f"--quantize {cfg.quantize} holds the frozen matrices block-quantized, but the scheme"
+                            f" {scheme.name or cfg.scheme} freezes none that can be (each is trained, or its"
+                            f" blocked axis is not a multiple of {quant.BLOCK}): it would change nothing; leave"
+                            f" out --quantize")
     bad = first_non_finite(weights=params)
     if bad:
         raise NonFiniteError(f"the model {out if cfg.resume else cfg.model} holds non-finite"
@@ -868,6 +933,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         start = int(trainer["step"])
         rng = np.asarray(trainer["rng"], np.uint32)
         metrics = read_json_object(os.path.join(out, "metrics.json"), what="run metrics")
+        _check_metrics(out, metrics)
         if metrics.get("step", start) != start or len(metrics.get("losses", ())) != start:
             raise FinetuneError(f"cannot resume from {out}: its metrics (step {metrics.get('step')},"
                                 f" {len(metrics.get('losses', ()))} losses) disagree with its"
@@ -1067,7 +1133,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         metrics["predictions_after"] = after["predictions"][:max(cfg.show, 0)]
         _show("after fine-tuning", held, after, cfg.show, log)
     steady = step_times[1:] if len(step_times) > 1 else step_times
-    s_per_step = float(np.mean(steady)) if steady else float("nan")
+    s_per_step = float(np.mean(steady)) if steady else None  # None: no step ran (JSON has no NaN)
     tokens_per_step = float(np.mean(step_tokens[1:] if len(step_tokens) > 1 else step_tokens or [0]))
     wall = time.time() - t_start
     metrics.update({
@@ -1100,7 +1166,7 @@ def _summary(m: dict, cfg: FinetuneConfig, out: str | None, log) -> None:
                else f"<= {m['seq_len']} (buckets {'/'.join(map(str, m['buckets']))})")
     lines.append(f"training   {m['steps_this_run']} steps (to step {m['steps']}) of"
                  f" {rows} x {lengths} tokens in {m['train_seconds_this_run'] / 60:.1f} min:"
-                 f" {m['seconds_per_step']:.2f} s/step, {tps or 0:.0f} tokens/s"
+                 f" {m['seconds_per_step'] or 0:.2f} s/step, {tps or 0:.0f} tokens/s"
                  f" (+ {m['compile_seconds']:.0f} s compile); final loss {m['final_loss']}")
     # The default run (SmolLM2-135M on reverse_words) has a stated goal; say whether it was met.
     default_run = (m["model"] == FinetuneConfig.model and cfg.data is None
