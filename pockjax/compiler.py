@@ -333,6 +333,31 @@ def _is_nnx_module(x) -> bool:
     return hit
 
 
+def _refuse_nnx_objects_in_batch(name: str, batch: Sequence, first: int) -> None:
+    """Refuses NNX objects (``nnx.MultiMetric``, ``nnx.Rngs``, a second model) among the batch arguments.
+
+    A compiled step treats its batch arguments as values: the updates an
+    NNX step makes to such an object in place (``metrics.update(loss=...)``)
+    would be lost without a word, where ``nnx.jit`` keeps them.
+    """
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover
+        return
+    # graph nodes (Module, Optimizer, Metric, Rngs); a State of Variables is a value
+    kinds = tuple(k for k in (getattr(nnx, "Pytree", None), getattr(nnx, "Object", None)) if isinstance(k, type))
+    for i, arg in enumerate(batch):
+        found = [x for x in jax.tree_util.tree_leaves(arg, is_leaf=lambda x: isinstance(x, kinds))
+                 if isinstance(x, kinds)]
+        if found:
+            raise StepSignatureError(
+                f"{name}: argument {first + i} holds an NNX object ({type(found[0]).__name__}); a compiled"
+                " step takes only the model and optimizer as NNX objects (step(model, optimizer, *batch))"
+                " and the batch as arrays, so what the step writes into that object in place (such as"
+                " metrics.update(...)) would be lost. Return the values instead (e.g. the loss) and update"
+                " the object outside the compiled step.")
+
+
 _NNX_KINDS: dict[type, bool] = {}
 
 
@@ -447,6 +472,7 @@ class CompiledFunction:
         if hit is not None:
             return hit
         n_state_args = 1 if is_train_state(args[0]) else 2
+        _refuse_nnx_objects_in_batch(name, args[n_state_args:], n_state_args)
         trace_args, sparse_states = self._full_state_args(args, name)
         quantized = {i: x for i, x in enumerate(jax.tree.leaves(args, is_leaf=quant.is_qtensor))
                      if quant.is_qtensor(x)}
@@ -562,6 +588,7 @@ class CompiledFunction:
         hit = self._cache.get(key)
         if hit is not None:
             return hit, state_def, graphdef
+        _refuse_nnx_objects_in_batch(step_name(self.step), batch, 2)
         flat_vars = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
         for keypath, var in flat_vars:
             if quant.is_qtensor(var.get_raw_value()):

@@ -540,7 +540,15 @@ class UpdateScheme:
                 )
         if unmatched and (self.strict or len(unmatched) == len(self.rules)):
             lines = []
+            regexes = {pattern: regex for regex, pattern, _ in self._compiled}
             for p in unmatched:
+                shadowed = [q for q in paths if regexes[p].match(q)]
+                if shadowed:
+                    # the pattern names parameters, but an earlier pattern rules each of them
+                    earlier = sorted({self.rule_for(q)[1] for q in shadowed} - {None})
+                    lines.append(f"  {p!r} matches {shadowed[:5]}, but an earlier pattern ({', '.join(map(repr, earlier))})"
+                                 " rules each of them (the first matching pattern wins): put it before that one")
+                    continue
                 close = difflib.get_close_matches(p, list(paths), n=5, cutoff=0.3)
                 lines.append(f"  {p!r} matches no parameter; closest paths: {close or list(paths)[:5]}")
             raise UnmatchedPatternError(
