@@ -1,13 +1,15 @@
-"""Adversarial steps found by probing ``pockjax.compile`` against ``jax.jit`` / ``nnx.jit``.
+"""Adversarial steps probing ``pockjax.compile`` against ``jax.jit`` / ``nnx.jit``.
 
-Each test pins a case where the compiled step used to differ from the
-reference without a word; it must now either match or refuse clearly.
+Each test pins a case where a compiled step could differ from the reference
+without a word (most of them did, before their fix): it must match or refuse
+clearly.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -67,3 +69,37 @@ def test_a_pattern_shadowed_by_an_earlier_one_names_the_earlier_pattern():
         scheme.resolve(["a.w", "a.b", "c.w"], [(4, 6), (6,), (6, 3)])
     assert "'a.w' matches ['a.w'], but an earlier pattern ('a.*') rules each of them" in str(err.value)
     assert "matches no parameter" not in str(err.value)
+
+
+def test_gradient_taken_inside_a_scan_is_zeroed_for_a_frozen_parameter_under_global_norm_clipping():
+    """``jax.grad`` inside a ``lax.scan`` body, over parameters closed over from
+    outside (gradient accumulation): the frozen parameter's gradient does not
+    enter ``clip_by_global_norm``, as with jax.jit of the step with that gradient
+    zeroed; without the freezing the trained parameter would move differently."""
+    tx = optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(0.5))
+
+    def loss(p, x):
+        return jnp.sum(jnp.tanh(x @ p["a"] @ p["b"]) ** 2)
+
+    def make(freeze_b):
+        def step(p, s, xs):
+            def body(acc, x):
+                return jax.tree.map(jnp.add, acc, jax.grad(loss)(p, x)), None
+            g, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), xs)
+            if freeze_b:
+                g = {"a": g["a"], "b": jnp.zeros_like(g["b"])}
+            u, s = tx.update(g, s, p)
+            new = optax.apply_updates(p, u)
+            return ({"a": new["a"], "b": p["b"]} if freeze_b else new), s, None
+        return step
+
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    p = {"a": jax.random.normal(k[0], (4, 4)), "b": 3 * jax.random.normal(k[1], (4, 4))}
+    xs = jax.random.normal(k[2], (3, 2, 4))
+    f = pockjax.compile(make(False), scheme=pockjax.UpdateScheme({"a": "full", "b": "frozen"}))
+    got = f(jax.tree.map(jnp.array, p), tx.init(p), xs)[0]
+    want = jax.jit(make(True))(p, tx.init(p), xs)[0]
+    unfrozen = jax.jit(make(False))(p, tx.init(p), xs)[0]
+    np.testing.assert_allclose(got["a"], want["a"], rtol=1e-6, atol=1e-6)
+    assert float(jnp.max(jnp.abs(unfrozen["a"] - want["a"]))) > 1e-4  # the case tells the two apart
+    np.testing.assert_array_equal(got["b"], p["b"])
