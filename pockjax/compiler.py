@@ -352,10 +352,11 @@ def _refuse_nnx_objects_in_batch(name: str, batch: Sequence, first: int) -> None
         if found:
             raise StepSignatureError(
                 f"{name}: argument {first + i} holds an NNX object ({type(found[0]).__name__}); a compiled"
-                " step takes only the model and optimizer as NNX objects (step(model, optimizer, *batch))"
-                " and the batch as arrays, so what the step writes into that object in place (such as"
-                " metrics.update(...)) would be lost. Return the values instead (e.g. the loss) and update"
-                " the object outside the compiled step.")
+                " step carries only its state arguments (model and optimizer, or params and opt_state)"
+                " from call to call and takes the rest as arrays, so what the step writes into that object"
+                " in place (such as metrics.update(...)) would be lost. Return the values instead (e.g."
+                " the loss) and update the object outside the compiled step; for random numbers keep the"
+                " nnx.Rngs in the model, or pass a jax.random key array.")
 
 
 _NNX_KINDS: dict[type, bool] = {}

@@ -552,7 +552,7 @@ class UpdateScheme:
                 close = difflib.get_close_matches(p, list(paths), n=5, cutoff=0.3)
                 lines.append(f"  {p!r} matches no parameter; closest paths: {close or list(paths)[:5]}")
             raise UnmatchedPatternError(
-                "scheme patterns that match nothing:\n" + "\n".join(lines)
+                "scheme patterns that rule no parameter:\n" + "\n".join(lines)
                 + "\n(`*` matches within one path segment, `**` across segments)"
             )
         return out

@@ -402,7 +402,7 @@ def test_resume_with_corrupt_metrics_names_the_file(run4, tmp_path):
 @pytest.mark.parametrize("patch, message", [
     ({"losses": ["a", "b", "c", "d"]}, "'losses' is not a list of finite numbers"),
     ({"losses": None}, "'losses' is not a list of finite numbers"),
-    ({"val_losses": [[2]]}, "'val_losses' is not a list of \\[step, finite loss\\] pairs"),
+    ({"val_losses": [[2]]}, "'val_losses' is not a list of \\[step, finite loss or null\\] pairs"),
     ({"val_losses": "x"}, "'val_losses' is not a list"),
     ({"trained_weight_norm_start": -1.0}, "'trained_weight_norm_start' is not a finite number >= 0"),
     ({"trained_weight_norm_start": "3"}, "'trained_weight_norm_start' is not a finite number >= 0"),
@@ -416,3 +416,17 @@ def test_resume_with_corrupt_metrics_values_is_refused(run4, tmp_path, patch, me
     json.dump(metrics, open(os.path.join(out, "metrics.json"), "w"))
     with pytest.raises(FinetuneError, match=f"cannot resume from .*run: its metrics.json is corrupt \\({message}"):
         finetune(cfg(out=out, resume=True, steps=6), **QUIET)
+
+
+def test_resume_accepts_a_held_out_loss_recorded_as_null(run4, tmp_path):
+    """A held-out loss that was not finite is recorded as null (JSON has no NaN):
+    a run that wrote one resumes, and its curve shows no value at that step."""
+    out = str(tmp_path / "run")
+    shutil.copytree(run4, out)
+    metrics = json.load(open(os.path.join(out, "metrics.json")))
+    metrics["val_losses"] = [[2, None]]
+    json.dump(metrics, open(os.path.join(out, "metrics.json"), "w"))
+    finetune(cfg(out=out, resume=True, steps=6), **QUIET)
+    resumed = json.load(open(os.path.join(out, "metrics.json")))
+    assert resumed["val_losses"][0] == [2, None] and len(resumed["losses"]) == 6
+    assert open(os.path.join(out, "metrics.csv")).read().splitlines()[2].endswith(",")  # step 2: no held-out value

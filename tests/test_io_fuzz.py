@@ -368,7 +368,7 @@ def test_safetensors_truncated_anywhere(cut):
 
 _RECORD = st.fixed_dictionaries(
     {"instruction": st.text(min_size=1, max_size=12).filter(str.strip),
-     "output": st.text(max_size=12)},
+     "output": st.text(min_size=1, max_size=12).filter(str.strip)},
     optional={"input": st.one_of(st.none(), st.text(max_size=12))})
 
 

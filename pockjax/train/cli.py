@@ -184,8 +184,8 @@ def register(subparsers) -> None:
                        f"{k} {v:g}" for k, v in DEFAULT_LR.items()) + ")")
     p.add_argument("--steps", type=positive_int, default=None, action=StoreGiven,
                    help=f"training steps (default {_D.steps}; with --resume: the run's own;"
-                   " a larger value continues the run exactly, one below its current step"
-                   " is refused)")
+                   " a larger value continues the run exactly under the constant schedule (a"
+                   " cosine or linear one is refused), one below its current step is refused)")
     p.add_argument("--batch-size", type=positive_int, default=_D.batch_size, action=StoreGiven,
                    help="rows per step (per micro-batch with --grad-accum)")
     p.add_argument("--grad-accum", type=positive_int, default=_D.grad_accum, action=StoreGiven, metavar="K",

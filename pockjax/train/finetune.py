@@ -736,8 +736,8 @@ def _check_metrics(out: str, metrics: dict) -> None:
     checks = [
         (isinstance(losses, list) and all(map(_is_number, losses)), "'losses' is not a list of finite numbers"),
         (isinstance(held, list) and all(isinstance(v, list) and len(v) == 2 and type(v[0]) is int
-                                        and _is_number(v[1]) for v in held),
-         "'val_losses' is not a list of [step, finite loss] pairs"),
+                                        and (v[1] is None or _is_number(v[1])) for v in held),
+         "'val_losses' is not a list of [step, finite loss or null] pairs"),
         (type(metrics.get("step", 0)) is int, "'step' is not a whole number"),
         (norm is None or (_is_number(norm) and norm >= 0), "'trained_weight_norm_start' is not a finite number >= 0"),
         (before is None or (_is_number(before) and 0 <= before <= 1), "'accuracy_before' is not a number in [0, 1]"),
@@ -868,9 +868,10 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     elif model is None:
         model, tokenizer = llama.load_pretrained(cfg.model)
     elif mixed and not isinstance(model, LlamaWeights):
-        raise FinetuneError(f"--dtype {cfg.dtype} / --quantize {cfg.quantize} choose how finetune loads"
-                            f" config.model; a model passed in is trained as it is: pass model=None, or hold"
-                            f" its frozen tensors yourself (pockjax.models.llama.mixed.hold_frozen)")
+        raise FinetuneError(f"dtype={cfg.dtype!r} / quantize={cfg.quantize!r} choose how finetune loads"
+                            f" config.model, and a model passed in is already loaded: pass model=None, or"
+                            f" pass the model with its frozen tensors already held (mixed.hold_frozen's params"
+                            f" wrapped in pockjax.models.llama.mixed.LlamaWeights)")
     elif tokenizer is None:
         raise FinetuneError("pass a tokenizer with the model")
     else:
@@ -1105,9 +1106,11 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
                             rss=_gb(rss_bytes()), refresh=False)
             bar.update(1)
             if val_loss is not None and (i + 1) % cfg.eval_every == 0:
-                v = round(float(val_loss(params, val_batch)), 5)
+                v = float(val_loss(params, val_batch))
+                v = round(v, 5) if math.isfinite(v) else None  # JSON has no NaN: recorded as null, and said
                 metrics.setdefault("val_losses", []).append([i + 1, v])
-                line = f"step {i + 1}: loss {loss:.4f}, held-out loss {v:.4f}"
+                line = (f"step {i + 1}: loss {loss:.4f}, held-out loss "
+                        + (f"{v:.4f}" if v is not None else "not finite (recorded as null)"))
                 if cfg.progress:
                     bar.write(line, file=sys.stderr)
                 else:

@@ -22,6 +22,7 @@ from pockjax.io.atomic import atomic_directory
 from pockjax.io.gguf import Typed, write_gguf
 from pockjax.models.llama.config import LlamaConfig, rope_freq_factors
 from pockjax.models.llama.gguf import GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_ROPE_BASE, GEMMA3_TENSORS, gemma3_fixed_fields
+from pockjax.models.llama.tokenizer import SPM_VOCAB_FILE
 
 __all__ = ["EXPORT_FORMATS", "GGUF_QUANTS", "ExportError", "export_model", "gguf_tokenizer_metadata",
            "permute_qk", "save_gguf"]
@@ -306,7 +307,7 @@ def _check_gemma3_for_llama_cpp(cfg: LlamaConfig) -> None:
 
 
 #: The files a ``--format safetensors`` export writes (its directory holds these only).
-HF_EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+HF_EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", SPM_VOCAB_FILE)
 
 
 def _check_output(out: str, format: str) -> None:
