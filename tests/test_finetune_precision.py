@@ -109,7 +109,7 @@ def test_precision_flags_that_would_change_nothing_are_refused(dirs, tmp_path):
                                             " scheme full freezes none"):
         finetune(cfg(model=plain, scheme="full", quantize="int8", out=str(tmp_path / "f")), log=lambda s: None)
     for kw in (dict(quantize="int4"), dict(dtype="bf16")):  # a model passed in is not loaded by finetune
-        with pytest.raises(FinetuneError, match="choose how finetune loads config.model; a model passed in"):
+        with pytest.raises(FinetuneError, match="choose how finetune loads config.model, and a model passed in is already loaded"):
             finetune(cfg(**kw), model=llama.Llama(TINY, rngs=nnx.Rngs(0)),
                      tokenizer=llama.Tokenizer.byte_level_for_tests(), log=lambda s: None)
     assert not os.path.exists(tmp_path / "f")
