@@ -286,3 +286,10 @@ def test_resume_of_a_scheduled_run(tok, tmp_path, capsys):
     with pytest.raises(FinetuneError, match="with --steps 120: its cosine schedule takes the learning rate to 0"
                                             " at the run's own --steps 101"):
         finetune(cfg(out=out, resume=True, steps=120, eval_examples=0), log=lambda s: None)
+
+
+def test_resume_refuses_a_model_passed_in(tmp_path, tok):
+    """A resumed run reloads the model it saved: a model passed in would be silently ignored, so it is refused."""
+    out = str(tmp_path / "run")
+    with pytest.raises(FinetuneError, match="a model passed in would be ignored: pass model=None"):
+        finetune(cfg(out=out, resume=True), model=tiny_model(), tokenizer=tok, log=lambda s: None)

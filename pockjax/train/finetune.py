@@ -814,6 +814,9 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     if cfg.resume:
         if not out:
             raise FinetuneError("--resume needs --out DIR (the directory of the run to continue)")
+        if model is not None:
+            raise FinetuneError(f"resume=True continues the run in {out} with the model it saved there, so a"
+                                f" model passed in would be ignored: pass model=None")
         if not os.path.isfile(os.path.join(out, "run.json")):
             raise FinetuneError(f"nothing to resume: {out} holds no fine-tuning run (run.json)")
         try:
