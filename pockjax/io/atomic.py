@@ -36,6 +36,7 @@ __all__ = [
     "atomic_directory",
     "atomic_open",
     "atomic_output_path",
+    "file_above",
     "fsync_directory",
     "save_figure",
     "fsync_tree",
@@ -100,6 +101,27 @@ def fsync_tree(path: str | os.PathLike) -> None:
                 continue
             _fsync_file(full)
         fsync_directory(root)
+
+
+def file_above(path: str | os.PathLike) -> str | None:
+    """The nearest existing ancestor of ``path`` if it is not a directory (a file in the way), else None.
+
+    Nothing can be written at ``path`` while such a file lies above it: an
+    output check names it before any work, rather than the first write failing.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> write_text(os.path.join(d, "f"), "x")
+        >>> file_above(os.path.join(d, "f", "new", "out")) == os.path.join(d, "f")
+        True
+        >>> file_above(os.path.join(d, "new", "out")) is None
+        True
+    """
+    above = _parent(os.fspath(path))
+    while not os.path.lexists(above):
+        above = os.path.dirname(above)
+    return None if os.path.isdir(above) else above
 
 
 def _fsync_file(path: str) -> None:

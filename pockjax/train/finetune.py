@@ -55,7 +55,7 @@ import optax
 
 import pockjax
 from pockjax.data import Batcher, DataError, evaluate_model, load_alpaca_jsonl, train_eval_split
-from pockjax.io.atomic import atomic_directory, pid_alive, remove_stale_temporaries, write_json
+from pockjax.io.atomic import atomic_directory, file_above, pid_alive, remove_stale_temporaries, write_json
 from pockjax.io.jsonfile import read_json_object
 from pockjax import quant
 from pockjax.adapters import LoraTensor, add_adapters, expand_flat, has_adapters, merge as merge_adapters
@@ -657,10 +657,8 @@ def _check_out_path(out: str) -> None:
     if os.path.lexists(out) and not os.path.isdir(out):
         raise FinetuneError(f"--out {out} is an existing file, but a run writes a directory there: give a"
                             f" directory path, or remove the file")
-    above = os.path.dirname(out)
-    while not os.path.lexists(above):
-        above = os.path.dirname(above)
-    if not os.path.isdir(above):
+    above = file_above(out)
+    if above is not None:
         raise FinetuneError(f"--out {out} lies under {above}, which is a file, not a directory: give"
                             f" another --out")
 

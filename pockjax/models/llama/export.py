@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from pockjax.errors import PockjaxError
-from pockjax.io.atomic import atomic_directory
+from pockjax.io.atomic import atomic_directory, file_above
 from pockjax.io.gguf import Typed, write_gguf
 from pockjax.models.llama.config import LlamaConfig, rope_freq_factors
 from pockjax.models.llama.gguf import GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_ROPE_BASE, GEMMA3_TENSORS, gemma3_fixed_fields
@@ -327,10 +327,8 @@ def _check_output(out: str, format: str) -> None:
             raise ExportError(f"--out {out!r} holds files a safetensors export does not write ({', '.join(others[:4])}"
                               f"{', ...' if len(others) > 4 else ''}), and the export replaces the directory as a"
                               " whole: give a new directory, or one that holds only an earlier export")
-    above = os.path.dirname(os.path.abspath(out))
-    while not os.path.lexists(above):
-        above = os.path.dirname(above)
-    if not os.path.isdir(above):
+    above = file_above(out)
+    if above is not None:
         raise ExportError(f"--out {out!r} lies under {above!r}, which is a file, not a directory")
 
 
