@@ -21,7 +21,9 @@ rewritten graph, its jaxpr and prune summary, nothing compiled) and
 (``target=...``).
 
 Flax NNX steps ``step(model, optimizer, *batch) -> aux`` are supported too:
-the model and optimizer are updated in place, as with ``nnx.jit``.
+the model and optimizer are updated in place, as with ``nnx.jit``, and so is
+every NNX object passed as an argument of its own (``nnx.MultiMetric``,
+``nnx.Rngs``): the Flax tutorial's ``train_step(model, optimizer, metrics, x, y)``.
 """
 
 from __future__ import annotations
@@ -333,30 +335,83 @@ def _is_nnx_module(x) -> bool:
     return hit
 
 
-def _refuse_nnx_objects_in_batch(name: str, batch: Sequence, first: int) -> None:
-    """Refuses NNX objects (``nnx.MultiMetric``, ``nnx.Rngs``, a second model) among the batch arguments.
-
-    A compiled step treats its batch arguments as values: the updates an
-    NNX step makes to such an object in place (``metrics.update(loss=...)``)
-    would be lost without a word, where ``nnx.jit`` keeps them.
-    """
+def _nnx_node_kinds() -> tuple:
+    """NNX's graph-node base classes (``nnx.Pytree`` / ``nnx.Object``): Module, Optimizer, Metric, Rngs."""
     try:
         from flax import nnx
     except ImportError:  # pragma: no cover
+        return ()
+    # a State of Variables is a value, not a node
+    return tuple(k for k in (getattr(nnx, "Pytree", None), getattr(nnx, "Object", None)) if isinstance(k, type))
+
+
+def _nnx_parts(args: Sequence) -> tuple[tuple, tuple, tuple[int, ...]]:
+    """An NNX step's arguments as ``(nodes, values, positions)``.
+
+    ``nodes`` are the model, the optimizer and every further argument that is
+    itself an NNX object (``nnx.MultiMetric``, ``nnx.Rngs``, a second model):
+    the step updates them in place, so they are carried as state, as
+    ``nnx.jit`` carries them. ``positions`` are those further arguments'
+    indices among ``args[2:]``; ``values`` are the other arguments.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+        >>> nodes, values, pos = _nnx_parts((model, "opt", jnp.ones(2), metrics))
+        >>> len(nodes), len(values), pos
+        (3, 1, (1,))
+    """
+    kinds = _nnx_node_kinds()
+    rest = args[2:]
+    pos = tuple(i for i, a in enumerate(rest) if kinds and isinstance(a, kinds))
+    nodes = tuple(args[:2]) + tuple(rest[i] for i in pos)
+    values = tuple(a for i, a in enumerate(rest) if i not in pos)
+    return nodes, values, pos
+
+
+def _with_nodes(values: Sequence, nodes: Sequence, pos: tuple[int, ...]) -> list:
+    """The step's batch arguments: ``values`` with the NNX ``nodes`` put back at ``pos`` (inverse of :func:`_nnx_parts`)."""
+    out, it_v, it_n = [], iter(values), iter(nodes)
+    for i in range(len(values) + len(nodes)):
+        out.append(next(it_n) if i in pos else next(it_v))
+    return out
+
+
+def _refuse_nnx_objects_in_batch(name: str, batch: Sequence, first: int, *, nnx_step: bool = False) -> None:
+    """Refuses NNX objects (``nnx.MultiMetric``, ``nnx.Rngs``, a second model) inside the batch arguments.
+
+    A compiled step treats its batch arguments as values: the updates a
+    step makes to such an object in place (``metrics.update(loss=...)``)
+    would be lost without a word, where ``nnx.jit`` keeps them. An NNX step
+    (``step(model, optimizer, *batch)``) carries an NNX object passed as an
+    argument of its own (:func:`_nnx_parts`); one nested inside another
+    argument (a dict, a list), or any in a functional step, is refused.
+    """
+    kinds = _nnx_node_kinds()
+    if not kinds:  # pragma: no cover
         return
-    # graph nodes (Module, Optimizer, Metric, Rngs); a State of Variables is a value
-    kinds = tuple(k for k in (getattr(nnx, "Pytree", None), getattr(nnx, "Object", None)) if isinstance(k, type))
     for i, arg in enumerate(batch):
         found = [x for x in jax.tree_util.tree_leaves(arg, is_leaf=lambda x: isinstance(x, kinds))
                  if isinstance(x, kinds)]
-        if found:
+        if not found:
+            continue
+        if nnx_step:
             raise StepSignatureError(
-                f"{name}: argument {first + i} holds an NNX object ({type(found[0]).__name__}); a compiled"
-                " step carries only its state arguments (model and optimizer, or params and opt_state)"
-                " from call to call and takes the rest as arrays, so what the step writes into that object"
-                " in place (such as metrics.update(...)) would be lost. Return the values instead (e.g."
-                " the loss) and update the object outside the compiled step; for random numbers keep the"
-                " nnx.Rngs in the model, or pass a jax.random key array.")
+                f"{name}: argument {first + i} holds an NNX object ({type(found[0]).__name__}) inside a"
+                f" {type(arg).__name__}; a compiled NNX step carries an NNX object that is an argument of"
+                " its own (step(model, optimizer, metrics, x, y)) and updates it in place, as nnx.jit"
+                " does, but not one nested in another argument, whose updates would be lost. Pass it as"
+                " an argument of its own.")
+        raise StepSignatureError(
+            f"{name}: argument {first + i} holds an NNX object ({type(found[0]).__name__}); a compiled"
+            " functional step carries only its state arguments (params and opt_state) from call to call"
+            " and takes the rest as arrays, so what the step writes into that object in place (such as"
+            " metrics.update(...)) would be lost. Return the values instead (e.g. the loss) and update"
+            " the object outside the compiled step, or write the step as step(model, optimizer, *batch)"
+            " with NNX, which carries NNX arguments as state; for random numbers pass a jax.random key"
+            " array.")
 
 
 _NNX_KINDS: dict[type, bool] = {}
@@ -411,11 +466,13 @@ class CompiledFunction:
         compiled = self.lower(*example_args).compile()
         if with_weights and getattr(compiled.executable, "name", None) == "iree":
             if example_args and _is_nnx_module(example_args[0]):
-                # The NNX step's flat inputs: the state leaves of nnx.split((model, optimizer)), then the batch.
+                # The NNX step's flat inputs: the state leaves of nnx.split((model, optimizer, *NNX
+                # arguments)), then the other batch arguments.
                 from flax import nnx
 
-                _, state = nnx.split(tuple(example_args[:2]))
-                flat = jax.tree.leaves(state) + jax.tree.leaves(example_args[2:])
+                nodes, values, _ = _nnx_parts(example_args)
+                _, state = nnx.split(nodes)
+                flat = jax.tree.leaves(state) + jax.tree.leaves(values)
             else:
                 flat = jax.tree.leaves(example_args)
             exe = compiled.executable.exe
@@ -575,21 +632,24 @@ class CompiledFunction:
         )
 
     # -- Flax NNX steps -------------------------------------------------------------
-    def _nnx_compiled(self, model, optimizer, *batch, split=None):
-        lowered, state_def, graphdef = self._nnx_lowered(model, optimizer, *batch, split=split)
-        return lowered.compile(), state_def, graphdef
+    def _nnx_lowered(self, *args, split=None):
+        """``(Lowered, state_def, graphdef)`` of an NNX step for ``args`` (model, optimizer, *batch).
 
-    def _nnx_lowered(self, model, optimizer, *batch, split=None):
+        The state is that of ``nnx.split(nodes)`` (:func:`_nnx_parts`): the
+        model's, the optimizer's, and that of every NNX object passed as an
+        argument of its own; ``split`` is that split when the caller has it.
+        """
         from flax import nnx
 
-        graphdef, state = nnx.split((model, optimizer)) if split is None else split
+        nodes, batch, pos = _nnx_parts(args)
+        graphdef, state = nnx.split(nodes) if split is None else split
         leaves, state_def = jax.tree_util.tree_flatten(state)
         batch_flat, batch_def = jax.tree_util.tree_flatten(batch)
-        key = ("nnx", graphdef, state_def, _signature(leaves), batch_def, _signature(batch_flat))
+        key = ("nnx", pos, graphdef, state_def, _signature(leaves), batch_def, _signature(batch_flat))
         hit = self._cache.get(key)
         if hit is not None:
             return hit, state_def, graphdef
-        _refuse_nnx_objects_in_batch(step_name(self.step), batch, 2)
+        _refuse_nnx_objects_in_batch(step_name(self.step), batch, 2, nnx_step=True)
         flat_vars = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
         for keypath, var in flat_vars:
             if quant.is_qtensor(var.get_raw_value()):
@@ -610,16 +670,19 @@ class CompiledFunction:
             if owner == "0":
                 roles.append(PARAM if isinstance(var, nnx.Param) else MODEL_STATE)
                 paths.append(rest if isinstance(var, nnx.Param) else f"model_state.{rest}")
-            else:
+            elif owner == "1":
                 roles.append(OPT_STATE)
                 paths.append(f"opt_state.{rest}")
+            else:  # an NNX argument of the step's own (metrics, rngs): state it updates, never trained
+                roles.append(MODEL_STATE)
+                paths.append(f"arg{2 + pos[int(owner) - 2]}.{rest}")
         step = self.step
 
         def functional(state_leaves, *batch_args):
             st = jax.tree_util.tree_unflatten(state_def, state_leaves)
-            m, opt = nnx.merge(graphdef, st)
-            aux = step(m, opt, *batch_args)
-            _, new_state = nnx.split((m, opt))
+            objs = nnx.merge(graphdef, st)
+            aux = step(objs[0], objs[1], *_with_nodes(batch_args, objs[2:], pos))
+            _, new_state = nnx.split(objs)
             new_leaves = jax.tree.leaves(new_state)
             return new_leaves, aux
 
@@ -651,12 +714,14 @@ class CompiledFunction:
             return compiled.tree_call(leaves, *batch)
         return compiled.out_builder(compiled.call_flat(leaves + jax.tree.leaves(batch)))
 
-    def _call_nnx(self, model, optimizer, *batch):
+    def _call_nnx(self, *args):
         from flax import nnx
 
-        graphdef, state = nnx.split((model, optimizer))
+        nodes, batch, pos = _nnx_parts(args)
+        graphdef, state = nnx.split(nodes)
         leaves, state_def = jax.tree_util.tree_flatten(state)
-        hot = self._hot.get(("nnx", graphdef, state_def))
+        hot_key = ("nnx", pos, graphdef, state_def)
+        hot = self._hot.get(hot_key)
         result = None
         if hot is not None:
             try:
@@ -664,9 +729,9 @@ class CompiledFunction:
             except SignatureChanged:
                 pass
         if result is None:
-            compiled, _, _ = self._nnx_compiled(model, optimizer, *batch, split=(graphdef, state))
+            compiled = self._nnx_lowered(*args, split=(graphdef, state))[0].compile()
             if isinstance(compiled.executable, XlaExecutable):
-                self._hot[("nnx", graphdef, state_def)] = compiled
+                self._hot[hot_key] = compiled
             result = self._run(compiled, leaves, batch)
         new_leaves, aux = result
         _write_back(state, new_leaves)
