@@ -348,31 +348,38 @@ def _nnx_node_kinds() -> tuple:
 def _nnx_parts(args: Sequence) -> tuple[tuple, tuple, tuple[int, ...]]:
     """An NNX step's arguments as ``(nodes, values, positions)``.
 
-    ``nodes`` are the model, the optimizer and every further argument that is
-    itself an NNX object (``nnx.MultiMetric``, ``nnx.Rngs``, a second model):
-    the step updates them in place, so they are carried as state, as
-    ``nnx.jit`` carries them. ``positions`` are those further arguments'
-    indices among ``args[2:]``; ``values`` are the other arguments.
+    ``nodes`` are the model (the first argument) and every further argument
+    that is itself an NNX object (an ``nnx.Optimizer``, ``nnx.MultiMetric``,
+    ``nnx.Rngs``, a second model): the step updates them in place, so they
+    are carried as state, as ``nnx.jit`` carries them. ``positions`` are
+    those further arguments' indices among ``args[1:]``; ``values`` are the
+    other arguments (arrays, and pytrees such as an Optax state the step
+    returns).
 
     Example:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
         >>> metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
-        >>> nodes, values, pos = _nnx_parts((model, "opt", jnp.ones(2), metrics))
+        >>> nodes, values, pos = _nnx_parts((model, jnp.ones(2), metrics))
         >>> len(nodes), len(values), pos
-        (3, 1, (1,))
+        (2, 1, (1,))
     """
     kinds = _nnx_node_kinds()
-    rest = args[2:]
+    rest = args[1:]
     pos = tuple(i for i, a in enumerate(rest) if kinds and isinstance(a, kinds))
-    nodes = tuple(args[:2]) + tuple(rest[i] for i in pos)
+    nodes = (args[0],) + tuple(rest[i] for i in pos)
     values = tuple(a for i, a in enumerate(rest) if i not in pos)
     return nodes, values, pos
 
 
 def _with_nodes(values: Sequence, nodes: Sequence, pos: tuple[int, ...]) -> list:
-    """The step's batch arguments: ``values`` with the NNX ``nodes`` put back at ``pos`` (inverse of :func:`_nnx_parts`)."""
+    """The arguments after the model: ``values`` with the NNX ``nodes`` put back at ``pos`` (inverse of :func:`_nnx_parts`).
+
+    Example:
+        >>> _with_nodes(["x", "y"], ["optimizer", "metrics"], (0, 1))
+        ['optimizer', 'metrics', 'x', 'y']
+    """
     out, it_v, it_n = [], iter(values), iter(nodes)
     for i in range(len(values) + len(nodes)):
         out.append(next(it_n) if i in pos else next(it_v))
@@ -393,6 +400,8 @@ def _refuse_nnx_objects_in_batch(name: str, batch: Sequence, first: int, *, nnx_
     if not kinds:  # pragma: no cover
         return
     for i, arg in enumerate(batch):
+        if nnx_step and isinstance(arg, kinds):
+            continue  # an argument of its own: carried as state (_nnx_parts)
         found = [x for x in jax.tree_util.tree_leaves(arg, is_leaf=lambda x: isinstance(x, kinds))
                  if isinstance(x, kinds)]
         if not found:
@@ -633,11 +642,16 @@ class CompiledFunction:
 
     # -- Flax NNX steps -------------------------------------------------------------
     def _nnx_lowered(self, *args, split=None):
-        """``(Lowered, state_def, graphdef)`` of an NNX step for ``args`` (model, optimizer, *batch).
+        """``(Lowered, state_def, graphdef)`` of an NNX step for ``args`` (model, *rest).
 
         The state is that of ``nnx.split(nodes)`` (:func:`_nnx_parts`): the
-        model's, the optimizer's, and that of every NNX object passed as an
-        argument of its own; ``split`` is that split when the caller has it.
+        model's and that of every NNX object passed as an argument of its own
+        (the optimizer, metrics, rngs); ``split`` is that split when the
+        caller has it. The model's ``nnx.Param`` leaves are parameters under
+        their own paths (``dense.kernel``), an ``nnx.Optimizer``'s leaves
+        optimizer state (``opt_state.…`` for the one right after the model),
+        any other NNX argument's ``nnx.Param`` leaves parameters under
+        ``argN.…`` and the rest model state.
         """
         from flax import nnx
 
@@ -649,7 +663,7 @@ class CompiledFunction:
         hit = self._cache.get(key)
         if hit is not None:
             return hit, state_def, graphdef
-        _refuse_nnx_objects_in_batch(step_name(self.step), batch, 2, nnx_step=True)
+        _refuse_nnx_objects_in_batch(step_name(self.step), args[1:], 1, nnx_step=True)
         flat_vars = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
         for keypath, var in flat_vars:
             if quant.is_qtensor(var.get_raw_value()):
@@ -664,24 +678,26 @@ class CompiledFunction:
                     " arrays; pockjax compiles NNX steps whose variables hold one array each (split it"
                     " into one variable per array)")
         roles, paths = [], []
+        optimizer_types = tuple(k for k in (getattr(nnx, "Optimizer", None),) if isinstance(k, type))
         for keypath, var in flat_vars:
             parts = keypath_to_parts(keypath)
-            owner, rest = parts[0], ".".join(parts[1:])
-            if owner == "0":
+            owner, rest = int(parts[0]), ".".join(parts[1:])
+            arg = 0 if owner == 0 else 1 + pos[owner - 1]  # the argument the leaf came in
+            if owner == 0:
                 roles.append(PARAM if isinstance(var, nnx.Param) else MODEL_STATE)
                 paths.append(rest if isinstance(var, nnx.Param) else f"model_state.{rest}")
-            elif owner == "1":
+            elif optimizer_types and isinstance(nodes[owner], optimizer_types):
                 roles.append(OPT_STATE)
-                paths.append(f"opt_state.{rest}")
-            else:  # an NNX argument of the step's own (metrics, rngs): state it updates, never trained
-                roles.append(MODEL_STATE)
-                paths.append(f"arg{2 + pos[int(owner) - 2]}.{rest}")
+                paths.append(f"opt_state.{rest}" if arg == 1 else f"arg{arg}.opt_state.{rest}")
+            else:  # metrics, rngs, a second model: state it updates (its Params: trained if differentiated)
+                roles.append(PARAM if isinstance(var, nnx.Param) else MODEL_STATE)
+                paths.append(f"arg{arg}.{rest}")
         step = self.step
 
         def functional(state_leaves, *batch_args):
             st = jax.tree_util.tree_unflatten(state_def, state_leaves)
             objs = nnx.merge(graphdef, st)
-            aux = step(objs[0], objs[1], *_with_nodes(batch_args, objs[2:], pos))
+            aux = step(objs[0], *_with_nodes(batch_args, objs[1:], pos))
             _, new_state = nnx.split(objs)
             new_leaves = jax.tree.leaves(new_state)
             return new_leaves, aux

@@ -7,6 +7,8 @@ clearly.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,3 +174,68 @@ def test_gradient_taken_inside_a_scan_is_zeroed_for_a_frozen_parameter_under_glo
     np.testing.assert_allclose(got["a"], want["a"], rtol=1e-6, atol=1e-6)
     assert float(jnp.max(jnp.abs(unfrozen["a"] - want["a"]))) > 1e-4  # the case tells the two apart
     np.testing.assert_array_equal(got["b"], p["b"])
+
+
+_TX = optax.adam(1e-2)
+
+
+def _nnx_model_with_optax_state(model, opt_state, x, y, freeze=()):
+    """An NNX model with a functional Optax state the step returns (no nnx.Optimizer)."""
+    params = nnx.state(model, nnx.Param)
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    for name in freeze:  # the reference for a scheme that freezes these: a zero gradient, so no Adam update
+        grads[name] = jax.tree.map(jnp.zeros_like, grads[name])
+    updates, opt_state = _TX.update(grads, opt_state, params)
+    nnx.update(model, optax.apply_updates(params, updates))
+    return opt_state, loss
+
+
+def _nnx_model_only(model, x, y):
+    """An NNX model updated by hand (plain SGD), no optimizer argument at all."""
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads))
+    return loss
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_nnx_model_with_a_functional_optax_state_matches_nnx_jit(frozen):
+    # the step's second argument is an Optax state, not an nnx.Optimizer: it used to
+    # fail with "'ArrayImpl' object has no attribute 'get_raw_value'"
+    x = jax.random.normal(jax.random.key(1), (5, 4))
+    y = jax.random.normal(jax.random.key(2), (5, 3))
+    scheme = pockjax.UpdateScheme({"l2.*": "full"}) if frozen else None
+    runs = {}
+    for name in ("nnx.jit", "pockjax"):
+        model = _Net(nnx.Rngs(0))
+        opt_state = _TX.init(nnx.state(model, nnx.Param))
+        if name == "nnx.jit":
+            step = nnx.jit(functools.partial(_nnx_model_with_optax_state, freeze=("l1",) if frozen else ()))
+        else:
+            step = pockjax.compile(_nnx_model_with_optax_state, scheme=scheme)
+        losses = []
+        for _ in range(3):
+            opt_state, loss = step(model, opt_state, x, y)
+            losses.append(float(loss))
+        runs[name] = (losses, _weights(model))
+    np.testing.assert_allclose(runs["pockjax"][0], runs["nnx.jit"][0], rtol=1e-6)
+    init = _weights(_Net(nnx.Rngs(0)))
+    for k, v in runs["nnx.jit"][1].items():
+        np.testing.assert_allclose(runs["pockjax"][1][k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+    assert not np.array_equal(runs["pockjax"][1]["l2.kernel.value"], init["l2.kernel.value"])
+    if frozen:
+        np.testing.assert_array_equal(runs["pockjax"][1]["l1.kernel.value"], init["l1.kernel.value"])
+
+
+def test_nnx_model_without_an_optimizer_argument_matches_nnx_jit():
+    x = jax.random.normal(jax.random.key(1), (5, 4))
+    y = jax.random.normal(jax.random.key(2), (5, 3))
+    runs = {}
+    for name, wrap in (("nnx.jit", nnx.jit), ("pockjax", pockjax.compile)):
+        model = _Net(nnx.Rngs(0))
+        step = wrap(_nnx_model_only)
+        runs[name] = ([float(step(model, x, y)) for _ in range(3)], _weights(model))
+    np.testing.assert_allclose(runs["pockjax"][0], runs["nnx.jit"][0], rtol=1e-6)
+    assert runs["pockjax"][0][2] < runs["pockjax"][0][0]
+    for k, v in runs["nnx.jit"][1].items():
+        np.testing.assert_allclose(runs["pockjax"][1][k], v, rtol=1e-5, atol=1e-7, err_msg=k)
