@@ -33,7 +33,7 @@ from flax import nnx
 
 import pockjax
 from pockjax.errors import PockjaxError
-from pockjax.io.atomic import atomic_open
+from pockjax.io.atomic import atomic_open, file_above
 from pockjax.models import llama
 from pockjax.schemes import resolve_scheme
 from pockjax.train.steps import lm_train_step
@@ -68,6 +68,11 @@ def iree_prepare(out: str, target: str = "cuda") -> int:
     """Compiles and exports the full and paper steps for IREE ``target``, with XLA's reference."""
     import os
 
+    blocker = file_above(os.path.join(out, "reference.npz"))  # ``out`` itself, or a file above it
+    if blocker is not None:  # before compiling anything: the first export would fail only after that
+        print(f"gpu_smoke: cannot write into {out}: {blocker} is a file, not a directory; give"
+              " --iree-prepare a directory (new or existing)", file=sys.stderr)
+        return 2
     cfg, graphdef, params, tx, batch = _setup(small=True)
     step = lm_train_step(graphdef, tx)
     ref = {f"batch{i}": np.asarray(b) for i, b in enumerate(batch)}

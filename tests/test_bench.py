@@ -281,6 +281,33 @@ def test_goals_and_table_from_results():
     assert "3.33x" in table and "NOT met" in table and "85.0%" in table
 
 
+def test_a_row_without_a_step_or_with_a_diverged_loss_is_null_in_results_json(tmp_path):
+    """JSON has no NaN: a row whose every process failed has no step time (null,
+    not NaN), a loss that is not finite is recorded as null, and the results
+    are written as JSON that a strict reader loads."""
+    from benchmarks.harness.classifier_rows import ClassifierBenchConfig, speed_summary
+    from benchmarks.harness.common import timed_steps
+    from benchmarks.harness.runner import _write_results
+    from pockjax.io.jsonfile import read_json_object
+
+    times, losses = timed_steps(lambda i: [2.0, float("nan"), float("-inf")][i], 1, 2)
+    assert len(times) == 2 and losses == [2.0, None, None]
+    raw = [{"row": "torch-full", "phase": "speed", "step_times": times, "losses": losses, "setup_s": 1.0,
+            "train_peak_rss": 1},
+           {"row": "pockjax-paper", "phase": "speed", "error": "Traceback ...\nRuntimeError: boom"}]
+    res = summarize(raw, BenchConfig(model="tiny", batch=2, seq=8))
+    failed = res["speed"]["pockjax-paper"]
+    assert failed["step_s"] is None and failed["tokens_per_s"] is None and failed["speedup_vs_torch_full"] is None
+    _write_results(res, str(tmp_path))
+    back = read_json_object(tmp_path / "results.json")  # refuses NaN and Infinity
+    assert back["speed"]["pockjax-paper"]["tokens_per_s"] is None
+    assert back["speed"]["torch-full"]["first_loss"] == 2.0 and back["speed"]["torch-full"]["step_s"] > 0
+    assert "| pockjax-paper |" in (tmp_path / "results.md").read_text()
+    speed = speed_summary([{"row": "pockjax-paper", "phase": "speed", "error": "boom"}], ClassifierBenchConfig())
+    assert speed["pockjax-paper"]["step_s"] is None and speed["pockjax-paper"]["per_s"] is None
+    assert speed["pockjax-paper"]["images_per_s"] is None
+
+
 def test_mkl_vendor_shim_answers_intel_and_a_missing_compiler_is_a_clear_error(tmp_path):
     import ctypes
 
@@ -353,6 +380,31 @@ def test_duplicated_rows_and_quality_rows_without_steps_are_refused(tmp_path, ca
         assert code(argv) == 2, argv
         assert says in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_every_spelling_of_no_rows_is_no_rows_for_both_checks(tmp_path, capsys, monkeypatch):
+    """The values naming no rows (``cli.NO_ROWS``, one definition) give no rows,
+    and a ``--quality-rows`` of no rows asks for no quality phase, so it needs no
+    ``--quality-steps``."""
+    import benchmarks.harness.runner as runner
+    from benchmarks.harness.cli import NO_ROWS, _row_names
+    from pockjax.cli import main
+
+    class Ran(Exception):
+        pass
+
+    def fake_run(cfg, *, rows, quality_rows, **kwargs):
+        raise Ran(rows, quality_rows)
+
+    monkeypatch.setattr(runner, "run", fake_run)
+    assert "none" in NO_ROWS and "" in NO_ROWS
+    for text in NO_ROWS + tuple(f" {t} " for t in NO_ROWS):
+        assert _row_names(text, ["pockjax-full"], ROWS, "") == []
+        with pytest.raises(Ran) as e:
+            main(["bench", "--model", "tiny", "--rows", "pockjax-paper", "--quality-rows", text,
+                  "--out", str(tmp_path / "out"), "--no-progress"])
+        assert e.value.args == (["pockjax-paper"], [])
+    assert "--quality-steps" not in capsys.readouterr().err
 
 
 def test_bench_outside_a_source_checkout_says_so_in_one_line(monkeypatch, capsys):

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import pathlib
 
 import pytest
@@ -32,6 +33,32 @@ def test_iree_vs_xla_rejects_an_unwritable_output_before_compiling(tmp_path, cap
     with pytest.raises(SystemExit) as e:
         bench.main(["--model", "tiny", "--schemes", "paper", "--json", str(tmp_path)])
     assert e.value.code == 2 and "is a directory" in capsys.readouterr().err
+
+
+def test_gpu_smoke_iree_prepare_into_a_file_is_a_one_line_error_before_compiling(tmp_path, capsys, monkeypatch):
+    """``--iree-prepare DIR`` where DIR is a file, or lies under one: exit status 2
+    and one line naming the file (no traceback), before anything is compiled."""
+    import subprocess
+    import sys
+
+    blocker = tmp_path / "taken"
+    blocker.write_text("mine")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_smoke.py"), "--iree-prepare", str(blocker),
+                           "--iree-target", "cpu"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (f"gpu_smoke: cannot write into {blocker}: {blocker} is a file, not a directory;"
+                           f" give --iree-prepare a directory (new or existing)\n")
+    assert "Traceback" not in proc.stdout + proc.stderr and proc.stdout == ""
+    smoke = _load("gpu_smoke")
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("compiled before checking the output directory")
+
+    monkeypatch.setattr(smoke, "_setup", compiled)
+    assert smoke.main(["--iree-prepare", str(blocker / "sub" / "dir"), "--iree-target", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f": {blocker} is a file, not a directory" in err
+    assert blocker.read_text() == "mine" and sorted(os.listdir(tmp_path)) == ["taken"]
 
 
 @pytest.fixture(scope="module")

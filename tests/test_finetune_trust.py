@@ -418,6 +418,32 @@ def test_resume_with_corrupt_metrics_values_is_refused(run4, tmp_path, patch, me
         finetune(cfg(out=out, resume=True, steps=6), **QUIET)
 
 
+def test_resume_checks_metrics_numbers_with_the_shared_number_check():
+    """``metrics.json``'s numbers are checked by the one "finite number, not a bool"
+    definition (:func:`pockjax.models.llama.config.is_finite_number`, beside
+    ``is_positive_number``), not a copy of it in ``finetune``."""
+    import importlib
+
+    from pockjax.models.llama.config import is_finite_number, is_positive_number
+
+    ft = importlib.import_module("pockjax.train.finetune")  # the module (pockjax.train.finetune is the function)
+    assert ft.is_finite_number is is_finite_number and not hasattr(ft, "_is_number")
+    for x in (3, -2.5, 0, 0.0, 10**400, np.float64(1.5), True, False, float("nan"), float("inf"), -float("inf"),
+              "1", None, [1]):
+        ok = isinstance(x, (int, float)) and not isinstance(x, bool) and -float("inf") < x < float("inf")
+        assert is_finite_number(x) is ok, x
+        assert is_positive_number(x) is (ok and x > 0), x
+    ft._check_metrics("run", {"losses": [1.0, 2], "val_losses": [[2, None], [4, 0.5]],
+                              "trained_weight_norm_start": 0, "accuracy_before": 1})
+    for bad, says in [({"losses": [1.0, True]}, "'losses'"), ({"losses": [float("nan")]}, "'losses'"),
+                      ({"val_losses": [[2, float("inf")]]}, "'val_losses'"),
+                      ({"val_losses": [[2, False]]}, "'val_losses'"),
+                      ({"trained_weight_norm_start": True}, "'trained_weight_norm_start'"),
+                      ({"accuracy_before": True}, "'accuracy_before'")]:
+        with pytest.raises(FinetuneError, match=f"run: its metrics.json is corrupt \\({says}"):
+            ft._check_metrics("run", bad)
+
+
 def test_resume_accepts_a_held_out_loss_recorded_as_null(run4, tmp_path):
     """A held-out loss that was not finite is recorded as null (JSON has no NaN):
     a run that wrote one resumes, and its curve shows no value at that step."""

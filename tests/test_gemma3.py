@@ -298,6 +298,29 @@ def test_spm_vocabulary_file_guards(tmp_path):
     assert not os.path.exists(spm_file) and llama.load_tokenizer(d).encode("ok") == [111, 107]
 
 
+def test_gguf_spm_scores_that_are_not_finite_are_refused_on_loading(tmp_path):
+    """A NaN or infinite score would scramble the merge order, and the tokenizer
+    could not be saved (its vocabulary file is JSON, which has no NaN): refused
+    when the GGUF is read, in one line naming the file, not at the end of a run."""
+    from pockjax.io.gguf import open_gguf
+    from pockjax.models.llama.tokenizer import tokenizer_from_gguf
+
+    meta = {"general.architecture": "llama",
+            **gguf_tokenizer_metadata(llama.Tokenizer(SentencePieceBPE.for_tests(), bos_id=None, eos_id=1))}
+    scores = list(SentencePieceBPE.for_tests().scores)
+    write_gguf(tmp_path / "ok.gguf", meta, [])
+    tok = tokenizer_from_gguf(open_gguf(tmp_path / "ok.gguf"))
+    tok.save(str(tmp_path / "saved"))
+    assert llama.load_tokenizer(str(tmp_path / "saved")).encode("ab ab") == tok.encode("ab ab")
+    for bad in (float("-inf"), float("nan")):
+        path = tmp_path / f"bad-{bad}.gguf"
+        write_gguf(path, {**meta, "tokenizer.ggml.scores": Typed("f32", scores[:-1] + [bad])}, [])
+        with pytest.raises(llama.TokenizerFileError) as e:
+            tokenizer_from_gguf(open_gguf(path))
+        assert str(e.value) == (f"{path}: tokenizer.ggml.scores must be a list of 12 numbers, one per token,"
+                                f" none NaN or infinite")
+
+
 def _gemma_gguf():
     try:
         return llama.pretrained_path("gemma3-270m")

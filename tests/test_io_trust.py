@@ -285,6 +285,32 @@ def test_failed_write_keeps_the_old_file(tmp_path):
     assert os.listdir(tmp_path) == ["metrics.json"]
 
 
+def test_write_json_refuses_nan_and_infinity_naming_the_file_and_where(tmp_path):
+    """NaN and Infinity are not JSON (a strict reader, as ``finetune --resume``'s,
+    refuses the file): write_json refuses them in one line naming the file and
+    where the value is, and the old file stays as it was."""
+    from pockjax.errors import InputError
+    from pockjax.io.jsonfile import read_json
+
+    path = tmp_path / "results.json"
+    atomic.write_json(path, {"ok": 1, "missing": None})
+    for bad, where, value in [({"speed": {"row": {"step_s": float("nan")}}}, '["speed"]["row"]["step_s"]', "nan"),
+                              ({"losses": [1.0, np.float64("-inf")]}, '["losses"][1]', "-inf"),
+                              (float("inf"), "the top level", "inf")]:
+        with pytest.raises(InputError) as e:
+            atomic.write_json(path, bad)
+        msg = str(e.value)
+        assert isinstance(e.value, ValueError) and "\n" not in msg
+        assert msg.startswith(f"cannot write {path}: it would hold {value} at {where}, ")
+        assert "NaN/Infinity are not JSON" in msg and "write null (None)" in msg
+    assert read_json(path) == {"ok": 1, "missing": None}
+    assert os.listdir(tmp_path) == ["results.json"]
+    with pytest.raises(ValueError, match="Circular reference"):  # json's other faults are its own
+        loop = []
+        loop.append(loop)
+        atomic.write_json(path, loop)
+
+
 def _killed_writer(tmp_path, body: str) -> None:
     """Runs ``body`` in a child that SIGKILLs itself mid-write, like an OOM kill."""
     script = textwrap.dedent("""

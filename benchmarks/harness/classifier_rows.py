@@ -647,7 +647,7 @@ def speed_summary(raw: list[dict], cfg: ClassifierBenchConfig) -> dict:
             s["device_peak_bytes"] = max(s.get("device_peak_bytes", 0), r["device_peak_bytes"])
     for s in speed.values():
         s["step_s"] = median(s["step_times"])
-        s["per_s"] = cfg.items_per_step / s["step_s"] if s["step_times"] else float("nan")
+        s["per_s"] = cfg.items_per_step / s["step_s"] if s["step_times"] else None  # None: no step ran
         s[f"{WORKLOADS[cfg.workload]['unit']}_per_s"] = s["per_s"]  # images_per_s or tokens_per_s
     ref = speed.get("torch-full", {})
     for s in speed.values():

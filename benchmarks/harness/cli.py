@@ -11,6 +11,9 @@ import argparse
 
 from pockjax._cli_args import non_negative_int, positive_finite_float, positive_int
 
+#: The ``--rows`` / ``--quality-rows`` values (stripped) that name no rows.
+NO_ROWS = ("", "none")
+
 
 def _cmd(args: argparse.Namespace) -> int:
     import sys
@@ -56,7 +59,7 @@ def _cmd(args: argparse.Namespace) -> int:
         for name, row in ROWS.items():
             print(f"{name:22s} {row.description}")
         return 0
-    if args.quality_steps == 0 and args.quality_rows is not None and args.quality_rows.strip() not in ("", "none"):
+    if args.quality_steps == 0 and args.quality_rows is not None and args.quality_rows.strip() not in NO_ROWS:
         print("pockjax bench: --quality-rows needs --quality-steps N (N >= 1); without it there is no quality"
               " phase", file=sys.stderr)
         return 2
@@ -96,7 +99,7 @@ def _row_names(text: str | None, default, table, what: str) -> list[str] | None:
 
     if text is None:
         return None if default is None else list(default)
-    if text.strip() in ("", "none"):
+    if text.strip() in NO_ROWS:
         return []
     out = [t.strip() for t in text.split(",") if t.strip()]
     bad = [t for t in out if t not in table]

@@ -8,6 +8,7 @@ loss masks.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
 import time
@@ -253,7 +254,8 @@ def timed_steps(step: Callable[[int], Any], n_warmup: int, n_timed: int,
     before the first timed step; with none, before the first step.
 
     Returns:
-      ``(seconds of each timed step, every loss)``.
+      ``(seconds of each timed step, every loss)``; a loss that is NaN or
+      infinite (a row that diverged) is None, as JSON has no NaN.
 
     Example:
       >>> calls = []
@@ -270,7 +272,7 @@ def timed_steps(step: Callable[[int], Any], n_warmup: int, n_timed: int,
         t = time.perf_counter()
         loss = float(step(i))
         dt = time.perf_counter() - t
-        losses.append(loss)
+        losses.append(loss if math.isfinite(loss) else None)
         if i >= n_warmup:
             times.append(dt)
     return times, losses
@@ -374,8 +376,9 @@ def torch_name(path: str) -> str:
     return f"model.layers.{idx}.{_TORCH_NAMES[leaf]}"
 
 
-def median(xs: Sequence[float]) -> float:
-    return float(statistics.median(xs)) if xs else float("nan")
+def median(xs: Sequence[float]) -> float | None:
+    """The median of ``xs``; None for no values (a row whose every process failed): JSON has no NaN."""
+    return float(statistics.median(xs)) if xs else None
 
 
 def versions() -> dict:

@@ -362,7 +362,7 @@ def summarize(raw: list[dict], cfg: BenchConfig, prep: dict | None = None) -> di
     tokens = cfg.batch * cfg.seq
     for name, s in speed.items():
         s["step_s"] = median(s["step_times"])
-        s["tokens_per_s"] = tokens / s["step_s"] if s["step_times"] else float("nan")
+        s["tokens_per_s"] = tokens / s["step_s"] if s["step_times"] else None  # None: no step ran
         if s.get("step_flops") and s["step_times"]:
             s["gflop_per_s"] = s["step_flops"] / 1e9 / s["step_s"]
     ref = speed.get("torch-full", {}).get("step_s") if speed.get("torch-full", {}).get("step_times") else None

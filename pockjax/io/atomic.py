@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import errno
 import json
+import math
 import os
 import re
 import secrets
@@ -264,11 +265,21 @@ def save_figure(fig: Any, path: str | os.PathLike, *, dpi: int = 110) -> str:
 
 
 def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 1,
-               sort_keys: bool = False, ensure_ascii: bool = False, **dump_kwargs: Any) -> None:
+               sort_keys: bool = False, ensure_ascii: bool = False, allow_nan: bool = False,
+               **dump_kwargs: Any) -> None:
     """Writes ``obj`` as JSON (plus a final newline) atomically and durably.
 
     The object is serialised before anything is written, so an object that
     JSON cannot represent leaves the old file untouched.
+
+    NaN and infinities are refused (``allow_nan=False``, unlike :func:`json.dumps`):
+    they are not JSON, and a strict reader (:func:`pockjax.io.jsonfile.read_json`,
+    so ``pockjax finetune --resume``) cannot read the file back. Write None
+    (``null``) for a figure that is missing.
+
+    Raises:
+        InputError: ``obj`` holds NaN or an infinity; the message names ``path``
+            and where in ``obj`` the value is.
 
     Example:
         >>> import tempfile
@@ -276,10 +287,45 @@ def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 1,
         >>> write_json(p, {"loss": 0.5}, indent=None)
         >>> open(p).read()
         '{"loss": 0.5}\\n'
+        >>> write_json(p, {"loss": [0.5, float("nan")]})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        pockjax.errors.InputError: cannot write .../m.json: it would hold nan at ["loss"][1], ...
     """
-    text = json.dumps(obj, indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii,
-                      **dump_kwargs)
+    try:
+        text = json.dumps(obj, indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii,
+                          allow_nan=allow_nan, **dump_kwargs)
+    except ValueError as e:
+        if allow_nan or not str(e).startswith("Out of range float values"):
+            raise
+        from pockjax.errors import InputError
+
+        try:
+            where = _non_finite_at(obj)
+        except RecursionError:  # an object that holds itself
+            where = None
+        raise InputError(f"cannot write {os.fspath(path)}: it would hold "
+                         + (f"{where[1]} at {where[0]}" if where else "NaN or Infinity")
+                         + ", and NaN/Infinity are not JSON (a reader cannot load the file);"
+                           " write null (None) for a value that is missing") from None
     write_text(path, text + "\n")
+
+
+def _non_finite_at(obj: Any, at: str = "") -> tuple[str, float] | None:
+    """``(where, value)`` of the first NaN or infinity in ``obj`` (dicts, lists, tuples), or None.
+
+    Example:
+        >>> _non_finite_at({"a": [1.0, {"b": float("inf")}]})
+        ('["a"][1]["b"]', inf)
+    """
+    if isinstance(obj, float):
+        return None if math.isfinite(obj) else (at or "the top level", obj)
+    items = (obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple))
+             else ())
+    for k, v in items:
+        found = _non_finite_at(v, f"{at}[{json.dumps(k) if isinstance(k, str) else k}]")
+        if found:
+            return found
+    return None
 
 
 # renameat2(2) with RENAME_EXCHANGE swaps two paths in one step (Linux >= 3.15).

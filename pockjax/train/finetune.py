@@ -61,6 +61,7 @@ from pockjax import quant
 from pockjax.adapters import LoraTensor, add_adapters, expand_flat, has_adapters, merge as merge_adapters
 from pockjax.scheme import LORA_PARTS
 from pockjax.models import llama
+from pockjax.models.llama.config import is_finite_number
 from pockjax.models.llama.mixed import LlamaWeights
 from pockjax.runtime.heap import process_rss_bytes, release_free_heap
 from pockjax.runtime.module import file_sha256
@@ -723,22 +724,20 @@ def _resume_config(cfg: FinetuneConfig, out: str, run: dict, given: set[str]) ->
     return dataclasses.replace(saved, **keep, out=cfg.out, resume=True)
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def _check_metrics(out: str, metrics: dict) -> None:
     """Refuses a ``metrics.json`` whose curves a resumed run would carry on wrongly (or crash on, steps later)."""
     losses, held = metrics.get("losses", []), metrics.get("val_losses", [])
     norm, before = metrics.get("trained_weight_norm_start"), metrics.get("accuracy_before")
     checks = [
-        (isinstance(losses, list) and all(map(_is_number, losses)), "'losses' is not a list of finite numbers"),
+        (isinstance(losses, list) and all(map(is_finite_number, losses)), "'losses' is not a list of finite numbers"),
         (isinstance(held, list) and all(isinstance(v, list) and len(v) == 2 and type(v[0]) is int
-                                        and (v[1] is None or _is_number(v[1])) for v in held),
+                                        and (v[1] is None or is_finite_number(v[1])) for v in held),
          "'val_losses' is not a list of [step, finite loss or null] pairs"),
         (type(metrics.get("step", 0)) is int, "'step' is not a whole number"),
-        (norm is None or (_is_number(norm) and norm >= 0), "'trained_weight_norm_start' is not a finite number >= 0"),
-        (before is None or (_is_number(before) and 0 <= before <= 1), "'accuracy_before' is not a number in [0, 1]"),
+        (norm is None or (is_finite_number(norm) and norm >= 0),
+         "'trained_weight_norm_start' is not a finite number >= 0"),
+        (before is None or (is_finite_number(before) and 0 <= before <= 1),
+         "'accuracy_before' is not a number in [0, 1]"),
     ]
     bad = next((what for ok, what in checks if not ok), None)
     if bad:

@@ -6,6 +6,16 @@ import dataclasses
 from typing import Any
 
 
+def is_finite_number(x: Any) -> bool:
+    """Whether ``x`` is a finite int or float (not a bool): a number read from a file (JSON, GGUF).
+
+    Example:
+        >>> [is_finite_number(v) for v in (8, -0.5, 0, 10**400, True, float("inf"), float("nan"), "8", None)]
+        [True, True, True, True, False, False, False, False, False]
+    """
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and -float("inf") < x < float("inf")
+
+
 def is_positive_number(x: Any) -> bool:
     """Whether ``x`` is a finite positive int or float (not a bool): a scale, base or factor read from a file.
 
@@ -13,7 +23,7 @@ def is_positive_number(x: Any) -> bool:
         >>> [is_positive_number(v) for v in (8, 0.5, 0, True, float("inf"), float("nan"), "8")]
         [True, True, False, False, False, False, False]
     """
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
+    return is_finite_number(x) and x > 0
 
 
 #: The architectures :class:`LlamaConfig` describes.

@@ -18,6 +18,7 @@ from pockjax.errors import FileMissingError, TokenizerFileError, UnsupportedMode
 from pockjax.io.atomic import write_json, write_text
 from pockjax.io.gguf import GGUFFile, open_gguf
 from pockjax.io.tokenizer_json import read_tokenizer_config, read_tokenizer_json
+from pockjax.models.llama.config import is_finite_number
 
 __all__ = ["GEMMA_CHAT_TEMPLATE", "SPM_VOCAB_FILE", "Tokenizer", "load_tokenizer", "tokenizer_from_gguf",
            "tokenizer_from_hf_dir", "render_chatml", "render_gemma"]
@@ -407,9 +408,10 @@ def _spm_backend(source: str, tokens: list, scores: Any, types: Any, unk: Any, a
     """A checked :class:`~pockjax.models.llama.spm.SentencePieceBPE` (tokens and types already checked)."""
     from pockjax.models.llama.spm import SentencePieceBPE
 
-    if not (isinstance(scores, list) and len(scores) == len(tokens)
-            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores)):
-        raise TokenizerFileError(f"{source}: {prefix}scores must be a list of {len(tokens)} numbers, one per token")
+    if not (isinstance(scores, list) and len(scores) == len(tokens) and all(map(is_finite_number, scores))):
+        # finite: a NaN breaks the merge order, and the tokenizer could not be saved (JSON has no NaN)
+        raise TokenizerFileError(f"{source}: {prefix}scores must be a list of {len(tokens)} numbers, one per"
+                                 f" token, none NaN or infinite")
     unk_key = "unknown_token_id" if prefix else "unk_id"
     if unk is not None and not (type(unk) is int and 0 <= unk < len(tokens)):
         raise TokenizerFileError(f"{source}: {prefix}{unk_key} {unk!r} is not a token id")
