@@ -426,6 +426,23 @@ def _refuse_nnx_objects_in_batch(name: str, batch: Sequence, first: int, *, nnx_
 _NNX_KINDS: dict[type, bool] = {}
 
 
+def _aliased_donation_message(name: str, args: Sequence) -> str:
+    """Why XLA refused to donate: one array passed as two leaves, which are named."""
+    seen: dict[int, str] = {}
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(args)[0]:
+        path = jax.tree_util.keystr(keypath)
+        if isinstance(leaf, jax.Array) and id(leaf) in seen:
+            where = f"as args{seen[id(leaf)]} and args{path}"
+            break
+        seen[id(leaf)] = path
+    else:
+        where = "as two of its leaves"
+    return (f"{name}: the same array is passed {where}; a compiled step donates its state arguments'"
+            " buffers (their memory is reused for the results), and XLA cannot donate one buffer twice."
+            " Pass a copy for one of them (jnp.copy; optax.LookaheadParams.init_synced shares the fast"
+            " and slow parameters), or compile with pockjax.compile(..., donate=False).")
+
+
 class CompiledFunction:
     """What :func:`compile` returns: a train step with the original signature."""
 
@@ -491,7 +508,19 @@ class CompiledFunction:
             return compiled.export(path, with_weights=True, state=state)
         return compiled.export(path, with_weights=with_weights)
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
+        if kwargs:
+            raise StepSignatureError(
+                f"{step_name(self.step)}: a compiled step takes its arguments by position, got keyword"
+                f" argument(s) {', '.join(sorted(kwargs))}: pass them positionally, in the step's order")
+        try:
+            return self._call(*args)
+        except jax.errors.JaxRuntimeError as e:
+            if "donate the same buffer twice" not in str(e) and "donate a buffer which is also used" not in str(e):
+                raise
+            raise StepSignatureError(_aliased_donation_message(step_name(self.step), args)) from None
+
+    def _call(self, *args):
         if args and _is_nnx_module(args[0]):
             return self._call_nnx(*args)
         # Hottest path: the last compiled step as one jax.jit over the argument
@@ -499,11 +528,13 @@ class CompiledFunction:
         # builds the outputs. Another tree structure or signature makes it
         # retrace, which raises SignatureChanged, and the paths below find
         # (or compile) the step for these arguments.
+        # A leaf that is not an array (a str) is a TypeError there: the slow path below
+        # names it (check_leaves), as on a first call.
         fast = self._fast
         if fast is not None:
             try:
                 return fast(*args)
-            except SignatureChanged:
+            except (SignatureChanged, TypeError):
                 pass
         flat, tree = jax.tree_util.tree_flatten(args)
         # Hot path: the step last compiled for this tree structure (flat jit).
@@ -511,7 +542,7 @@ class CompiledFunction:
         if hot is not None:
             try:
                 return hot.out_builder(hot.call_flat(flat))
-            except SignatureChanged:
+            except (SignatureChanged, TypeError):
                 pass
         compiled = self._functional_compiled(args)
         if isinstance(compiled.executable, XlaExecutable):
@@ -650,8 +681,8 @@ class CompiledFunction:
         caller has it. The model's ``nnx.Param`` leaves are parameters under
         their own paths (``dense.kernel``), an ``nnx.Optimizer``'s leaves
         optimizer state (``opt_state.…`` for the one right after the model),
-        any other NNX argument's ``nnx.Param`` leaves parameters under
-        ``argN.…`` and the rest model state.
+        and the rest, every other NNX argument's included, model state
+        (``argN.…``): updated as the step computes it.
         """
         from flax import nnx
 
@@ -689,8 +720,8 @@ class CompiledFunction:
             elif optimizer_types and isinstance(nodes[owner], optimizer_types):
                 roles.append(OPT_STATE)
                 paths.append(f"opt_state.{rest}" if arg == 1 else f"arg{arg}.opt_state.{rest}")
-            else:  # metrics, rngs, a second model: state it updates (its Params: trained if differentiated)
-                roles.append(PARAM if isinstance(var, nnx.Param) else MODEL_STATE)
+            else:  # metrics, rngs, a second model (an EMA teacher): state it updates as the step computes
+                roles.append(MODEL_STATE)
                 paths.append(f"arg{arg}.{rest}")
         step = self.step
 
@@ -701,6 +732,8 @@ class CompiledFunction:
             _, new_state = nnx.split(objs)
             new_leaves = jax.tree.leaves(new_state)
             return new_leaves, aux
+
+        functional.__name__ = functional.__qualname__ = step_name(step)  # messages name the user's step
 
         batch_roles = ["batch"] * len(batch_flat)
         traced = trace_step(

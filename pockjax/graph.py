@@ -12,7 +12,7 @@ can find them wherever autodiff put them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import jax
 import numpy as np
@@ -92,6 +92,10 @@ class TrainGraph:
         parameter (Adam's ``mu``/``nu``...), the index of that parameter input.
       step_name: the user's name for the step (``train_step``), for messages.
       history: what each pass did, in the order they ran (:class:`PassRecord`s).
+      ungraded: float inputs passed as parameters that the step never
+        differentiates (model state now), outside a Linen ``variables`` dict's
+        other collections: ``sparse_grad`` refuses a scheme over a step that
+        changes one (its gradient was taken of a value computed from it).
     """
 
     closed_jaxpr: C.ClosedJaxpr
@@ -105,6 +109,7 @@ class TrainGraph:
     param_of: tuple[int | None, ...]
     step_name: str = "the step"
     history: tuple[PassRecord, ...] = ()
+    ungraded: tuple[int, ...] = ()
 
     @property
     def jaxpr(self) -> C.Jaxpr:
@@ -178,6 +183,19 @@ def optstate_param_map(opt_paths: Sequence[str], opt_shapes, param_paths, param_
     mirrors ``layers.0.w``). Optax states, ``nnx.Optimizer`` states and
     ``MaskedState`` all lay out per-parameter state this way. A parameter path
     under a Linen ``params`` collection also matches without that prefix.
+
+    The part of the state path before the parameter's (``mu``) must hold a
+    mirror of the parameters: every state leaf under it is named by a
+    parameter path. So a field of another state that happens to share a
+    parameter's name and shape (``reduce_on_plateau``'s ``scale`` beside a
+    parameter ``scale``; a step counter ``1`` beside the second parameter of
+    a tuple) mirrors nothing: it is the optimizer's own state, updated as
+    the step computes it.
+
+    Example:
+        >>> optstate_param_map(["0.mu.scale", "0.mu.w", "1.scale", "1.count"], [(), (3,), (), ()],
+        ...                    ["scale", "w"], [(), (3,)])
+        [0, 1, None, None]
     """
     by_parts = {}
     for j, (p, s) in enumerate(zip(param_paths, param_shapes)):
@@ -187,14 +205,23 @@ def optstate_param_map(opt_paths: Sequence[str], opt_shapes, param_paths, param_
             # a Linen ``variables`` dict as the step's params: the optimizer
             # state was made from ``variables["params"]``
             by_parts.setdefault(parts[1:], []).append((j, s))
+    all_parts = [tuple(path.split(".")) if path else () for path in opt_paths]
+    mirrors: dict[tuple, bool] = {}
+
+    def is_mirror(prefix: tuple) -> bool:
+        # every state leaf under ``prefix`` is named by a parameter path
+        if prefix not in mirrors:
+            n = len(prefix)
+            mirrors[prefix] = all(q[n:] in by_parts for q in all_parts if q[:n] == prefix)
+        return mirrors[prefix]
+
     out = []
-    for path, shape in zip(opt_paths, opt_shapes):
-        parts = tuple(path.split(".")) if path else ()
+    for parts, shape in zip(all_parts, opt_shapes):
         found = None
         # longest param path that is a suffix of this state path
         for cut in range(0, len(parts) + 1):
             for j, s in by_parts.get(parts[cut:], ()):
-                if tuple(s) == tuple(shape):
+                if tuple(s) == tuple(shape) and is_mirror(parts[:cut]):
                     found = j
                     break
             if found is not None:
@@ -385,6 +412,13 @@ def trace_step(
     # A "parameter" the step never differentiates is model state (BatchNorm
     # statistics, counters): it keeps the value the step computes for it.
     differentiated = gradient_tag_indices(closed.jaxpr)
+    # Float leaves that could have had a gradient pockjax did not see (TrainGraph.ungraded); a
+    # Linen ``variables`` dict's other collections (batch_stats) are model state by design,
+    # and an integer counter cannot have a gradient.
+    linen = isinstance(args[0], Mapping) and "params" in args[0]
+    ungraded = tuple(i for i, r in enumerate(in_roles) if r == PARAM and i not in differentiated
+                     and not (linen and not in_paths[i].startswith("params."))
+                     and jax.numpy.issubdtype(avals[i].dtype, jax.numpy.inexact))
     in_roles = [MODEL_STATE if r == PARAM and i not in differentiated else r for i, r in enumerate(in_roles)]
     param_idx = [i for i, r in enumerate(in_roles) if r == PARAM]
 
@@ -426,6 +460,7 @@ def trace_step(
         out_to_in=tuple(out_to_in),
         param_of=tuple(param_of),
         step_name=name,
+        ungraded=ungraded,
     )
 
 

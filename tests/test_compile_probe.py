@@ -239,3 +239,174 @@ def test_nnx_model_without_an_optimizer_argument_matches_nnx_jit():
     assert runs["pockjax"][0][2] < runs["pockjax"][0][0]
     for k, v in runs["nnx.jit"][1].items():
         np.testing.assert_allclose(runs["pockjax"][1][k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+# -- optimizer state that only looks like a parameter's ----------------------------------------
+
+
+def test_a_counter_beside_adam_is_not_taken_for_a_frozen_parameters_state():
+    # params (w, temperature), opt_state (adam state, step counter): the counter's
+    # path "1" and shape () equal the frozen temperature's, and it used to be
+    # paired with it and reset to 0 every step (jax.jit counts 3)
+    tx = optax.adam(1e-2)
+
+    def step(params, opt_state, x, y):
+        tx_state, n = opt_state
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((x @ p[0] * p[1] - y) ** 2))(params)
+        u, tx_state = tx.update(g, tx_state, params)
+        return optax.apply_updates(params, u), (tx_state, n + 1), loss
+
+    params = (jnp.ones((4, 3)), jnp.float32(1.0))
+    compiled = pockjax.compile(step, scheme=pockjax.UpdateScheme({"0": "full"}))
+    state = (tx.init(params), jnp.int32(0))
+    for _ in range(3):
+        params, state, _ = compiled(params, state, jnp.ones((2, 4)), jnp.ones((2, 3)))
+    assert int(state[1]) == 3
+    assert float(params[1]) == 1.0  # the temperature stays frozen
+
+
+def test_reduce_on_plateau_scale_is_not_taken_for_a_parameter_named_scale():
+    tx = optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau(factor=0.5, patience=1, rtol=1.0))
+
+    def step(params, opt_state, x, y):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((x @ p["w"] * p["scale"] - y) ** 2))(params)
+        u, opt_state = tx.update(g, opt_state, params, value=loss)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    def zeroed(params, opt_state, x, y):  # the reference: jax.jit with the frozen gradient zeroed
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((x @ p["w"] * p["scale"] - y) ** 2))(params)
+        g = {**g, "scale": jnp.zeros_like(g["scale"])}
+        u, opt_state = tx.update(g, opt_state, params, value=loss)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    x, y = jnp.ones((2, 4)), jnp.ones((2, 3))
+    out = {}
+    for name, fn in (("jit", jax.jit(zeroed)),
+                     ("pockjax", pockjax.compile(step, scheme=pockjax.UpdateScheme({"w": "full"})))):
+        p = {"w": jnp.ones((4, 3)), "scale": jnp.float32(1.0)}
+        o = tx.init(p)
+        for _ in range(4):
+            p, o, _ = fn(p, o, x, y)
+        out[name] = (float(o[1].scale), np.asarray(p["w"]))
+    assert out["pockjax"][0] == out["jit"][0] < 1.0  # the plateau scale halves, as under jit
+    np.testing.assert_allclose(out["pockjax"][1], out["jit"][1], rtol=1e-6)
+
+
+# -- gradients pockjax cannot see --------------------------------------------------------------
+
+
+def _cast_step(tx, cast):
+    def step(params, opt_state, x, y):
+        low = {**params, "w": cast(params["w"])}  # b enters the gradient as itself
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((x @ p["w"] + p["b"] - y) ** 2))(low)
+        g = jax.tree.map(lambda a, p: a.astype(p.dtype), g, params)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+    return step
+
+
+@pytest.mark.parametrize("cast", [
+    pytest.param(lambda a: a.astype(jnp.bfloat16), id="astype"),
+    pytest.param(lambda a: a + 0.0, id="plus-zero"),
+])
+def test_a_gradient_taken_of_a_value_computed_from_a_parameter_is_refused_under_a_scheme(cast):
+    # the gradient of p.astype(bf16): pockjax saw no gradient of 'w' and updated it as model
+    # state, so the scheme's default (frozen) did not freeze it, silently
+    tx = optax.sgd(0.1)
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros((3,), jnp.bfloat16)}
+    step = pockjax.compile(_cast_step(tx, cast), scheme=pockjax.UpdateScheme({"b": "full"}))
+    with pytest.raises(pockjax.SchemeError, match=r"changes the parameter\(s\) 'w' but takes no gradient"
+                                                  r".*do the cast inside the loss"):
+        step(params, tx.init(params), jnp.ones((2, 4)), jnp.ones((2, 3)))
+
+
+def test_the_same_step_casting_inside_the_loss_freezes_as_the_scheme_says():
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, x, y):
+        def loss_fn(p):
+            p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
+            return jnp.mean(((x @ p["w"] + p["b"]).astype(jnp.float32) - y) ** 2)
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros((3,))}
+    compiled = pockjax.compile(step, scheme=pockjax.UpdateScheme({"b": "full"}))
+    new, _, _ = compiled(jax.tree.map(jnp.copy, params), tx.init(params), jnp.ones((2, 4)), jnp.ones((2, 3)))
+    np.testing.assert_array_equal(new["w"], params["w"])
+    assert not np.array_equal(new["b"], params["b"])
+
+
+def test_updates_carried_through_a_scan_are_refused_under_a_scheme_and_match_jit_without():
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, xs):
+        def body(carry, x):
+            p, s = carry
+            loss, g = jax.value_and_grad(lambda q: jnp.sum((x @ q["a"] + q["b"]) ** 2))(p)
+            u, s = tx.update(g, s, p)
+            return (optax.apply_updates(p, u), s), loss
+        (params, opt_state), losses = jax.lax.scan(body, (params, opt_state), xs)
+        return params, opt_state, losses
+
+    params = {"a": jnp.ones((3, 2)) * 0.1, "b": jnp.zeros((2,))}
+    xs = jnp.ones((2, 4, 3))
+    with pytest.raises(pockjax.SchemeError, match=r"differentiates none of its parameters.*inside a lax.scan"):
+        pockjax.compile(step, scheme=pockjax.UpdateScheme({"b": "full"}))(params, tx.init(params), xs)
+    ref = jax.jit(step)(params, tx.init(params), xs)
+    got = pockjax.compile(step)(jax.tree.map(jnp.copy, params), tx.init(params), xs)
+    for r, g in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+        np.testing.assert_allclose(g, r, rtol=1e-6)
+
+
+# -- clear errors at the call ------------------------------------------------------------------
+
+
+def test_one_array_passed_as_two_donated_leaves_names_both_and_donate_false_runs():
+    tx = optax.lookahead(optax.adam(1e-2), sync_period=2, slow_step_size=0.5)
+
+    def step(lp, opt_state, x, y):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((x @ p["w"] - y) ** 2))(lp.fast)
+        u, opt_state = tx.update(g, opt_state, lp)
+        return optax.apply_updates(lp, u), opt_state, loss
+
+    params = optax.LookaheadParams.init_synced({"w": jnp.ones((4, 3))})  # fast and slow: one array
+    x, y = jnp.ones((2, 4)), jnp.zeros((2, 3))
+    with pytest.raises(pockjax.StepSignatureError, match=r"the same array is passed as args\[0\]\.fast\['w'\] and"
+                                                         r" args\[0\]\.slow\['w'\].*donate=False"):
+        pockjax.compile(step)(params, tx.init(params), x, y)
+    ref = jax.jit(step)(params, tx.init(params), x, y)
+    got = pockjax.compile(step, donate=False)(params, tx.init(params), x, y)
+    for r, g in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+        np.testing.assert_allclose(g, r, rtol=1e-6)
+
+
+def test_a_bad_argument_after_a_compiled_call_gets_the_same_clear_error_and_keywords_are_refused():
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, x, y, mode=None):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((x @ p - y) ** 2))(params)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    x, y = jnp.ones((2, 4)), jnp.zeros((2, 3))
+    compiled = pockjax.compile(step)
+    compiled(jnp.ones((4, 3)), tx.init(jnp.ones((4, 3))), x, y)  # the fast path exists now
+    with pytest.raises(pockjax.StepSignatureError, match=r"input leaf 'batch2' is a str"):
+        compiled(jnp.ones((4, 3)), tx.init(jnp.ones((4, 3))), x, y, "mae")
+    with pytest.raises(pockjax.StepSignatureError, match=r"takes its arguments by position, got keyword argument\(s\) mode"):
+        compiled(jnp.ones((4, 3)), tx.init(jnp.ones((4, 3))), x, y, mode=jnp.ones(()))
+
+
+@pytest.mark.parametrize("trained", [("l1.*",), ("l1.*", "l2.*")])
+def test_a_scheme_training_what_the_nnx_optimizer_leaves_out_is_refused(trained):
+    # the optimizer (wrt) holds only l2; the scheme trains l1 (and l2): l1 never moved, without a word
+    model = _Net(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=pockjax.UpdateScheme({"l2.*": "full"}).nnx_wrt())
+    scheme = pockjax.UpdateScheme({p: "full" for p in trained})
+    step = pockjax.compile(_nnx_metrics_step, scheme=scheme)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+    with pytest.raises(pockjax.SchemeError, match=r"trains 'l1.bias', 'l1.kernel', but _nnx_metrics_step returns them"
+                                                  r" unchanged.*wrt=scheme.nnx_wrt\(\)"):
+        step(model, optimizer, metrics, jnp.ones((5, 4)), jnp.zeros((5, 3)))

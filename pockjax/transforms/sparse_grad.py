@@ -113,6 +113,37 @@ def _materialize(x):
 RuleOf = Any  # Full | Frozen | ChannelSelect
 
 
+def _refuse_hidden_gradients(graph: TrainGraph) -> None:
+    """Refuses a step that changes a parameter it takes no gradient of.
+
+    pockjax sees a parameter's gradient where autodiff linearizes with
+    respect to the parameter itself. A gradient taken of a value computed
+    from it (``p.astype(bf16)``, ``with_sharding_constraint``,
+    ``ravel_pytree``, ``p + 0``), or inside a ``lax.scan`` / ``fori_loop``
+    that carries the parameters (several updates per call), is invisible to
+    it: the parameter would be updated as model state, as the step computes
+    it, whatever the scheme says, so a frozen one would train without a
+    word. (A Linen ``variables`` dict's other collections are model state by
+    design: :attr:`TrainGraph.ungraded` leaves them out.)
+    """
+    sources = graph.out_sources
+    changed = sorted({i for o, i in enumerate(graph.out_to_in)
+                      if i is not None and i in graph.ungraded and sources[o] != i})
+    if not changed:
+        return
+    paths = [graph.in_paths[i] for i in changed]
+    shown = ", ".join(repr(p) for p in paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+    raise SchemeError(
+        f"{graph.step_name} changes the parameter(s) {shown} but takes no gradient with respect to"
+        " them that pockjax can see, so the scheme could neither freeze nor train them: the gradient was"
+        " taken of a value computed from them (a cast such as p.astype(jnp.bfloat16),"
+        " with_sharding_constraint, ravel_pytree, p + 0), or inside a lax.scan / fori_loop that carries"
+        " the parameters. Take the gradient of the parameters themselves and do the cast inside the"
+        " loss (jax.grad(lambda p: loss(cast(p), batch))(params)), and make one update per call; if"
+        " they are state the step updates without a gradient (an EMA, a counter), keep them out of"
+        " the parameters (in the optimizer state, a TrainState field, or a non-Param NNX variable).")
+
+
 def resolve_rules(graph: TrainGraph, scheme: UpdateScheme, *, allow_nothing_trained: bool = False) -> dict[int, RuleOf]:
     """``{param input index: Full() | Frozen() | ChannelSelect}`` for a graph.
 
@@ -126,8 +157,12 @@ def resolve_rules(graph: TrainGraph, scheme: UpdateScheme, *, allow_nothing_trai
         raise SchemeError(
             f"{step} differentiates none of its parameters: pockjax found no gradient of any leaf of "
             "its first argument, so a scheme has nothing to train. Compute the gradient with "
-            "jax.grad / jax.value_and_grad / nnx.grad of the parameters inside the step."
+            "jax.grad / jax.value_and_grad / nnx.grad of the parameters inside the step (a gradient "
+            "of a value computed from them, such as p.astype(jnp.bfloat16), with_sharding_constraint or "
+            "ravel_pytree, or one taken inside a lax.scan / fori_loop that carries the parameters, is "
+            "not one pockjax can see: do the cast inside the loss, and make one update per call)."
         )
+    _refuse_hidden_gradients(graph)
     avals = graph.in_avals
     state = [graph.in_paths[i] for i in graph.inputs_with_role(MODEL_STATE)]
     resolved = scheme.resolve([graph.in_paths[i] for i in idx], [avals[i].shape for i in idx], non_gradient=state)
@@ -137,7 +172,40 @@ def resolve_rules(graph: TrainGraph, scheme: UpdateScheme, *, allow_nothing_trai
             f"Give some parameters a 'full' or channels(...) rule (parameters: "
             f"{[graph.in_paths[i] for i in idx][:6]}{'...' if len(idx) > 6 else ''})."
         )
+    _refuse_trained_but_unchanged(graph, scheme, idx, resolved)
     return dict(zip(idx, resolved))
+
+
+def _refuse_trained_but_unchanged(graph: TrainGraph, scheme: UpdateScheme, idx, resolved) -> None:
+    """Refuses a scheme that trains a parameter the step returns exactly as it came.
+
+    The step differentiates it but never updates it: an ``nnx.Optimizer``
+    whose ``wrt`` filter leaves it out (``nnx.jit`` leaves it unchanged
+    too). The scheme and the optimizer disagree, and the step would spend
+    the parameter's gradient for nothing, or train nothing at all.
+    """
+    # the input itself, or the input through a parameter tag: an NNX variable holds the
+    # tagged value after nnx.grad, so an untouched one comes back through its tag
+    jaxpr = graph.jaxpr
+    index = {v: i for i, v in enumerate(jaxpr.invars)}
+    tagged = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns if e.primitive is tags.param_tag_p}
+    kept = set()
+    for o, i in enumerate(graph.out_to_in):
+        v = jaxpr.outvars[o]
+        if i is None or isinstance(v, C.Literal):
+            continue
+        if index.get(tagged.get(v, v)) == i:
+            kept.add(i)
+    unchanged = [graph.in_paths[i] for i, r in zip(idx, resolved)
+                 if isinstance(r, (Full, ChannelSelect)) and i in kept]
+    if unchanged:
+        shown = ", ".join(repr(p) for p in unchanged[:4]) + (f" and {len(unchanged) - 4} more"
+                                                            if len(unchanged) > 4 else "")
+        raise SchemeError(
+            f"the scheme {scheme!r} trains {shown}, but {graph.step_name} returns them unchanged: the"
+            " optimizer never updates them (an nnx.Optimizer whose wrt filter leaves them out, or an"
+            " update that skips them). Make the optimizer follow the scheme"
+            " (nnx.Optimizer(model, tx, wrt=scheme.nnx_wrt())), or freeze them in the scheme.")
 
 
 def _grad_tag_rule(rule: RuleOf, x):
