@@ -137,8 +137,8 @@ def _refuse_hidden_gradients(graph: TrainGraph) -> None:
         f"{graph.step_name} changes the parameter(s) {shown} but takes no gradient with respect to"
         " them that pockjax can see, so the scheme could neither freeze nor train them: the gradient was"
         " taken of a value computed from them (a cast such as p.astype(jnp.bfloat16),"
-        " with_sharding_constraint, ravel_pytree, p + 0), or inside a lax.scan / fori_loop that carries"
-        " the parameters. Take the gradient of the parameters themselves and do the cast inside the"
+        " with_sharding_constraint, ravel_pytree, p + 0), inside a lax.scan / fori_loop that carries"
+        " the parameters, or in forward mode (jax.jacfwd). Take the gradient of the parameters themselves and do the cast inside the"
         " loss (jax.grad(lambda p: loss(cast(p), batch))(params)), and make one update per call; if"
         " they are state the step updates without a gradient (an EMA, a counter), keep them out of"
         " the parameters (in the optimizer state, a TrainState field, or a non-Param NNX variable).")
@@ -159,8 +159,9 @@ def resolve_rules(graph: TrainGraph, scheme: UpdateScheme, *, allow_nothing_trai
             "its first argument, so a scheme has nothing to train. Compute the gradient with "
             "jax.grad / jax.value_and_grad / nnx.grad of the parameters inside the step (a gradient "
             "of a value computed from them, such as p.astype(jnp.bfloat16), with_sharding_constraint or "
-            "ravel_pytree, or one taken inside a lax.scan / fori_loop that carries the parameters, is "
-            "not one pockjax can see: do the cast inside the loss, and make one update per call)."
+            "ravel_pytree, one taken inside a lax.scan / fori_loop that carries the parameters, or a "
+            "forward-mode jax.jacfwd, is not one pockjax can see: do the cast inside the loss, make one "
+            "update per call, and use reverse mode: jax.grad / jax.jacrev)."
         )
     _refuse_hidden_gradients(graph)
     avals = graph.in_avals
