@@ -350,7 +350,7 @@ def _nnx_parts(args: Sequence) -> tuple[tuple, tuple, tuple[int, ...]]:
 
     ``nodes`` are the model (the first argument) and every further argument
     that is itself an NNX object (an ``nnx.Optimizer``, ``nnx.MultiMetric``,
-    ``nnx.Rngs``, a second model): the step updates them in place, so they
+    ``nnx.Rngs``, a second model, an ``nnx.Variable``): the step updates them in place, so they
     are carried as state, as ``nnx.jit`` carries them. ``positions`` are
     those further arguments' indices among ``args[1:]``; ``values`` are the
     other arguments (arrays, and pytrees such as an Optax state the step
@@ -366,6 +366,10 @@ def _nnx_parts(args: Sequence) -> tuple[tuple, tuple, tuple[int, ...]]:
         (2, 1, (1,))
     """
     kinds = _nnx_node_kinds()
+    if kinds:
+        from flax import nnx
+
+        kinds = kinds + (nnx.Variable,)  # a bare variable the step writes into (v[...] *= 0.5)
     rest = args[1:]
     pos = tuple(i for i, a in enumerate(rest) if kinds and isinstance(a, kinds))
     nodes = (args[0],) + tuple(rest[i] for i in pos)
@@ -679,10 +683,10 @@ class CompiledFunction:
         model's and that of every NNX object passed as an argument of its own
         (the optimizer, metrics, rngs); ``split`` is that split when the
         caller has it. The model's ``nnx.Param`` leaves are parameters under
-        their own paths (``dense.kernel``), an ``nnx.Optimizer``'s leaves
-        optimizer state (``opt_state.…`` for the one right after the model),
-        and the rest, every other NNX argument's included, model state
-        (``argN.…``): updated as the step computes it.
+        their own paths (``dense.kernel``), the leaves of an ``nnx.Optimizer``
+        right after the model optimizer state (``opt_state.…``), and the rest,
+        every other NNX argument's included, model state (``argN.…``):
+        updated as the step computes it, never pruned.
         """
         from flax import nnx
 
@@ -695,6 +699,12 @@ class CompiledFunction:
         if hit is not None:
             return hit, state_def, graphdef
         _refuse_nnx_objects_in_batch(step_name(self.step), args[1:], 1, nnx_step=True)
+        if any(isinstance(x, SparseOptState) for x in jax.tree.leaves(batch, is_leaf=lambda x: isinstance(x, SparseOptState))):
+            raise StepSignatureError(
+                f"{step_name(self.step)}: a SparseOptState (pockjax.init_opt_state) is an argument of an NNX"
+                " step, which takes an Optax state as a plain value: pockjax neither prunes nor restores it."
+                " Use nnx.Optimizer(model, tx, wrt=scheme.nnx_wrt()), which holds state only for what the"
+                " scheme trains, or the functional form step(params, opt_state, *batch)")
         flat_vars = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
         for keypath, var in flat_vars:
             if quant.is_qtensor(var.get_raw_value()):
@@ -717,12 +727,14 @@ class CompiledFunction:
             if owner == 0:
                 roles.append(PARAM if isinstance(var, nnx.Param) else MODEL_STATE)
                 paths.append(rest if isinstance(var, nnx.Param) else f"model_state.{rest}")
-            elif optimizer_types and isinstance(nodes[owner], optimizer_types):
+            elif arg == 1 and optimizer_types and isinstance(nodes[owner], optimizer_types):
+                # the model's optimizer: its state mirrors the model's parameters (a second model's
+                # optimizer, anywhere else, would be paired with the wrong parameters)
                 roles.append(OPT_STATE)
-                paths.append(f"opt_state.{rest}" if arg == 1 else f"arg{arg}.opt_state.{rest}")
-            else:  # metrics, rngs, a second model (an EMA teacher): state it updates as the step computes
+                paths.append(f"opt_state.{rest}")
+            else:  # metrics, rngs, another optimizer or model (an EMA teacher): updated as the step computes
                 roles.append(MODEL_STATE)
-                paths.append(f"arg{arg}.{rest}")
+                paths.append(f"arg{arg}.{rest}" if rest else f"arg{arg}")
         step = self.step
 
         def functional(state_leaves, *batch_args):
@@ -782,6 +794,10 @@ class CompiledFunction:
             if isinstance(compiled.executable, XlaExecutable):
                 self._hot[hot_key] = compiled
             result = self._run(compiled, leaves, batch)
+            if not isinstance(compiled.executable, XlaExecutable):
+                # IREE state comes back as device buffers: the variables get JAX arrays, which any
+                # JAX code (nnx.jit, metrics.reset()) takes, and the next call takes without an upload
+                result = (compiled.executable.adopt_host_copies(list(result[0])), result[1])
         new_leaves, aux = result
         _write_back(state, new_leaves)
         return aux

@@ -175,7 +175,8 @@ class TrainGraph:
         )
 
 
-def optstate_param_map(opt_paths: Sequence[str], opt_shapes, param_paths, param_shapes) -> list[int | None]:
+def optstate_param_map(opt_paths: Sequence[str], opt_shapes, param_paths, param_shapes,
+                       mirror_paths: Sequence[str] | None = None) -> list[int | None]:
     """For each optimizer-state leaf, the parameter it mirrors, or None.
 
     A state leaf mirrors the parameter whose dotted path is the longest suffix
@@ -185,8 +186,9 @@ def optstate_param_map(opt_paths: Sequence[str], opt_shapes, param_paths, param_
     under a Linen ``params`` collection also matches without that prefix.
 
     The part of the state path before the parameter's (``mu``) must hold a
-    mirror of the parameters: every state leaf under it is named by a
-    parameter path. So a field of another state that happens to share a
+    mirror of the parameters: every state leaf under it is named by a path of
+    ``mirror_paths`` (every leaf of the step's parameters, differentiated or
+    not; default ``param_paths``). So a field of another state that happens to share a
     parameter's name and shape (``reduce_on_plateau``'s ``scale`` beside a
     parameter ``scale``; a step counter ``1`` beside the second parameter of
     a tuple) mirrors nothing: it is the optimizer's own state, updated as
@@ -206,13 +208,19 @@ def optstate_param_map(opt_paths: Sequence[str], opt_shapes, param_paths, param_
             # state was made from ``variables["params"]``
             by_parts.setdefault(parts[1:], []).append((j, s))
     all_parts = [tuple(path.split(".")) if path else () for path in opt_paths]
+    named = set()
+    for p in (param_paths if mirror_paths is None else mirror_paths):
+        parts = tuple(p.split(".")) if p else ()
+        named.add(parts)
+        if len(parts) > 1 and parts[0] == "params":
+            named.add(parts[1:])
     mirrors: dict[tuple, bool] = {}
 
     def is_mirror(prefix: tuple) -> bool:
         # every state leaf under ``prefix`` is named by a parameter path
         if prefix not in mirrors:
             n = len(prefix)
-            mirrors[prefix] = all(q[n:] in by_parts for q in all_parts if q[:n] == prefix)
+            mirrors[prefix] = all(q[n:] in named for q in all_parts if q[:n] == prefix)
         return mirrors[prefix]
 
     out = []
@@ -416,6 +424,7 @@ def trace_step(
     # Linen ``variables`` dict's other collections (batch_stats) are model state by design,
     # and an integer counter cannot have a gradient.
     linen = isinstance(args[0], Mapping) and "params" in args[0]
+    candidates = [in_paths[i] for i, r in enumerate(in_roles) if r == PARAM]
     ungraded = tuple(i for i, r in enumerate(in_roles) if r == PARAM and i not in differentiated
                      and not (linen and not in_paths[i].startswith("params."))
                      and jax.numpy.issubdtype(avals[i].dtype, jax.numpy.inexact))
@@ -444,6 +453,7 @@ def trace_step(
         [shapes[i] for i in opt_idx],
         [in_paths[i] for i in param_idx],
         [shapes[i] for i in param_idx],
+        mirror_paths=candidates,
     )
     param_of: list[int | None] = [None] * len(in_roles)
     for i, m in zip(opt_idx, mapping):

@@ -161,3 +161,16 @@ def test_cli_errors(args, message, capsys):
     argv = [*_TINY, *args] if args[0] != "--model" else [*args, *_TINY[2:]]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_report_with_an_undefined_gain_is_written_with_nulls(tmp_path):
+    # a validation run that diverges makes a gain inf or NaN; write_json refuses those, which
+    # lost report.json and units.tsv at the end of a finished search
+    from pockjax.search.cli import write_outputs
+
+    report = {"searched": {"predicted_gain": float("inf"), "held_out_loss_gain": float("nan")},
+              "units": [{"name": "u0", "gain": 1.5}]}
+    write_outputs(str(tmp_path), pockjax.UpdateScheme({"w": "full"}), report, ["name", "gain"])
+    back = json.loads((tmp_path / "report.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert back["searched"] == {"predicted_gain": None, "held_out_loss_gain": None}
+    assert (tmp_path / "units.tsv").read_text() == "name\tgain\nu0\t1.5\n"

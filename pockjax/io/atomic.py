@@ -310,6 +310,26 @@ def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 1,
     write_text(path, text + "\n")
 
 
+def nulls_for_non_finite(obj: Any) -> Any:
+    """``obj`` (dicts, lists, tuples, numbers) with every NaN or infinity replaced by None.
+
+    For a report whose figures may be undefined (a gain over a diverged
+    run): :func:`write_json` refuses non-finite numbers, and ``null`` is how
+    JSON says "no figure".
+
+    Example:
+        >>> nulls_for_non_finite({"gain": float("inf"), "runs": [1.5, float("nan")], "name": "a"})
+        {'gain': None, 'runs': [1.5, None], 'name': 'a'}
+    """
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: nulls_for_non_finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [nulls_for_non_finite(v) for v in obj]  # JSON has lists only
+    return obj
+
+
 def _non_finite_at(obj: Any, at: str = "") -> tuple[str, float] | None:
     """``(where, value)`` of the first NaN or infinity in ``obj`` (dicts, lists, tuples), or None.
 

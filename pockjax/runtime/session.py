@@ -315,19 +315,12 @@ def release_device_objects() -> None:
 atexit.register(release_device_objects)
 
 
-class DeviceBuffer(np.lib.mixins.NDArrayOperatorsMixin):
+class DeviceBuffer:
     """A lazily fetched device array: state returned by a call, still on the device.
 
     ``np.asarray(buf)`` (or :meth:`to_host`) copies it to the host once; passing
     it back as a state input of the session that made it costs no transfer.
-    Reading it as an array does the same fetch: indexing (``buf[...]``, what
-    an NNX variable's ``var[...]`` does), arithmetic and NumPy functions give
-    NumPy arrays, ``float(buf)`` a number, and JAX functions take it as an
-    array. So a model or ``nnx.MultiMetric`` whose variables an IREE-compiled
-    step updated is used as after ``nnx.jit``.
     """
-
-    __hash__ = object.__hash__  # kept in a WeakSet; the operators mixin's __eq__ would unset it
 
     # "value" before "session": slots are cleared in this order, so the buffer view is
     # released while its session (and the device whose allocator owns it) is still alive.
@@ -350,44 +343,9 @@ class DeviceBuffer(np.lib.mixins.NDArrayOperatorsMixin):
         a = self.to_host()
         return a if dtype is None else a.astype(dtype)
 
-    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        # the operators (+, /, ==, ...) of NDArrayOperatorsMixin and NumPy's ufuncs, on the host copy
-        def host(x):
-            return x.to_host() if isinstance(x, DeviceBuffer) else x
-
-        if "out" in kwargs:
-            kwargs["out"] = tuple(host(x) for x in kwargs["out"])
-        return getattr(ufunc, method)(*(host(x) for x in inputs), **kwargs)
-
-    def __jax_array__(self):
-        import jax.numpy as jnp  # only JAX calls this: the runtime itself runs without JAX
-
-        return jnp.asarray(self.to_host())
-
-    def __getitem__(self, index):
-        return self.to_host()[index]
-
-    def __len__(self) -> int:
-        if not self.shape:
-            raise TypeError("len() of a 0-d DeviceBuffer")
-        return self.shape[0]
-
-    def __float__(self) -> float:
-        return float(self.to_host())
-
-    def __int__(self) -> int:
-        return int(self.to_host())
-
-    def __bool__(self) -> bool:
-        return bool(self.to_host())
-
     @property
     def ndim(self) -> int:
         return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
 
     def __repr__(self):
         return f"DeviceBuffer(shape={self.shape}, dtype={self.dtype.name})"

@@ -166,7 +166,7 @@ def _fmt_bytes(n: float) -> str:
 def write_outputs(out: str, scheme: Any, report: dict, cols: list[str]) -> None:
     """``--out``: ``scheme.json`` (``pockjax finetune --scheme``), ``report.json`` and
     ``units.tsv`` (``report["units"]``, columns ``cols``), each written atomically."""
-    from pockjax.io.atomic import atomic_open, write_json
+    from pockjax.io.atomic import atomic_open, nulls_for_non_finite, write_json
     from pockjax.schemes import save_scheme_file
 
     try:
@@ -174,7 +174,8 @@ def write_outputs(out: str, scheme: Any, report: dict, cols: list[str]) -> None:
     except OSError as e:
         raise SearchError(f"cannot create --out {out}: {e.strerror or e}") from None
     save_scheme_file(os.path.join(out, "scheme.json"), scheme)
-    write_json(os.path.join(out, "report.json"), report, indent=1, ensure_ascii=True)
+    # a gain over a diverged validation run may be inf or NaN: null in JSON
+    write_json(os.path.join(out, "report.json"), nulls_for_non_finite(report), indent=1, ensure_ascii=True)
     with atomic_open(os.path.join(out, "units.tsv"), "w") as f:
         f.write("\t".join(cols) + "\n")
         for r in report["units"]:

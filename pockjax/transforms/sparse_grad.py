@@ -113,35 +113,53 @@ def _materialize(x):
 RuleOf = Any  # Full | Frozen | ChannelSelect
 
 
-def _refuse_hidden_gradients(graph: TrainGraph) -> None:
-    """Refuses a step that changes a parameter it takes no gradient of.
+#: Primitives through which a parameter reaches ``jax.grad`` as another value (a cast,
+#: ``with_sharding_constraint``, ``ravel_pytree``'s reshape and concatenation) or is carried
+#: through a loop of updates: a parameter read by one of them, never differentiated itself,
+#: and changed by the step likely got its update from a gradient pockjax could not see.
+_HIDING_PRIMITIVES = frozenset({"convert_element_type", "sharding_constraint", "copy", "copy_p", "reshape",
+                                "concatenate", "scan", "while"})
+
+
+def _refuse_hidden_gradients(graph: TrainGraph, scheme: UpdateScheme) -> None:
+    """Refuses a step that changes a parameter through a gradient pockjax cannot see.
 
     pockjax sees a parameter's gradient where autodiff linearizes with
     respect to the parameter itself. A gradient taken of a value computed
     from it (``p.astype(bf16)``, ``with_sharding_constraint``,
-    ``ravel_pytree``, ``p + 0``), or inside a ``lax.scan`` / ``fori_loop``
-    that carries the parameters (several updates per call), is invisible to
-    it: the parameter would be updated as model state, as the step computes
-    it, whatever the scheme says, so a frozen one would train without a
-    word. (A Linen ``variables`` dict's other collections are model state by
-    design: :attr:`TrainGraph.ungraded` leaves them out.)
+    ``ravel_pytree``), or inside a ``lax.scan`` / ``while_loop`` that carries
+    the parameters (several updates per call), is invisible: the parameter
+    is updated as model state, as the step computes it, so a scheme that
+    freezes it (or trains some of its channels) would not be followed, and
+    it would train without a word. Refused: a float parameter
+    (:attr:`TrainGraph.ungraded`) the step changes, that one of
+    :data:`_HIDING_PRIMITIVES` reads, and that the scheme does not train in
+    full. Weights updated without any gradient (an EMA, lookahead's slow
+    weights, ``p + 0``) are read by none of them and stay model state, as
+    under ``jax.jit``.
     """
-    sources = graph.out_sources
-    changed = sorted({i for o, i in enumerate(graph.out_to_in)
-                      if i is not None and i in graph.ungraded and sources[o] != i})
-    if not changed:
+    if not graph.ungraded:
         return
-    paths = [graph.in_paths[i] for i in changed]
-    shown = ", ".join(repr(p) for p in paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+    sources = graph.out_sources
+    changed = {i for o, i in enumerate(graph.out_to_in) if i is not None and i in graph.ungraded and sources[o] != i}
+    invars = graph.jaxpr.invars
+    read = {invars.index(v) for e in graph.jaxpr.eqns if e.primitive.name in _HIDING_PRIMITIVES
+            for v in e.invars if not isinstance(v, C.Literal) and v in invars}
+    hidden = [graph.in_paths[i] for i in sorted(changed & read)
+              if not isinstance(scheme.rule_for(graph.in_paths[i])[0], Full)]
+    if not hidden:
+        return
+    shown = ", ".join(repr(p) for p in hidden[:4]) + (f" and {len(hidden) - 4} more" if len(hidden) > 4 else "")
     raise SchemeError(
-        f"{graph.step_name} changes the parameter(s) {shown} but takes no gradient with respect to"
-        " them that pockjax can see, so the scheme could neither freeze nor train them: the gradient was"
-        " taken of a value computed from them (a cast such as p.astype(jnp.bfloat16),"
-        " with_sharding_constraint, ravel_pytree, p + 0), inside a lax.scan / fori_loop that carries"
-        " the parameters, or in forward mode (jax.jacfwd). Take the gradient of the parameters themselves and do the cast inside the"
-        " loss (jax.grad(lambda p: loss(cast(p), batch))(params)), and make one update per call; if"
-        " they are state the step updates without a gradient (an EMA, a counter), keep them out of"
-        " the parameters (in the optimizer state, a TrainState field, or a non-Param NNX variable).")
+        f"{graph.step_name} changes the parameter(s) {shown}, which the scheme does not train in full, but"
+        " takes no gradient with respect to them that pockjax can see, so it cannot follow the scheme for"
+        " them: the gradient seems taken of a value computed from them (a cast such as"
+        " p.astype(jnp.bfloat16), with_sharding_constraint, ravel_pytree), or inside a lax.scan /"
+        " while_loop that carries the parameters. Take the gradient of the parameters themselves and do"
+        " the cast inside the loss (jax.grad(lambda p: loss(cast(p), batch))(params)), and close over the"
+        " parameters in a loop rather than carrying them; if they are weights the step updates without a"
+        " gradient (an EMA), keep them in a TrainState field, or pass them to an NNX step as an argument"
+        " of their own.")
 
 
 def resolve_rules(graph: TrainGraph, scheme: UpdateScheme, *, allow_nothing_trained: bool = False) -> dict[int, RuleOf]:
@@ -160,10 +178,10 @@ def resolve_rules(graph: TrainGraph, scheme: UpdateScheme, *, allow_nothing_trai
             "jax.grad / jax.value_and_grad / nnx.grad of the parameters inside the step (a gradient "
             "of a value computed from them, such as p.astype(jnp.bfloat16), with_sharding_constraint or "
             "ravel_pytree, one taken inside a lax.scan / fori_loop that carries the parameters, or a "
-            "forward-mode jax.jacfwd, is not one pockjax can see: do the cast inside the loss, make one "
-            "update per call, and use reverse mode: jax.grad / jax.jacrev)."
+            "forward-mode jax.jacfwd, is not one pockjax can see: do the cast inside the loss, close over "
+            "the parameters in a loop rather than carrying them, and use reverse mode: jax.grad / jax.jacrev)."
         )
-    _refuse_hidden_gradients(graph)
+    _refuse_hidden_gradients(graph, scheme)
     avals = graph.in_avals
     state = [graph.in_paths[i] for i in graph.inputs_with_role(MODEL_STATE)]
     resolved = scheme.resolve([graph.in_paths[i] for i in idx], [avals[i].shape for i in idx], non_gradient=state)
@@ -203,7 +221,7 @@ def _refuse_trained_but_unchanged(graph: TrainGraph, scheme: UpdateScheme, idx, 
         shown = ", ".join(repr(p) for p in unchanged[:4]) + (f" and {len(unchanged) - 4} more"
                                                             if len(unchanged) > 4 else "")
         raise SchemeError(
-            f"the scheme {scheme!r} trains {shown}, but {graph.step_name} returns them unchanged: the"
+            f"the scheme{' ' + scheme.name if scheme.name else ''} trains {shown}, but {graph.step_name} returns them unchanged: the"
             " optimizer never updates them (an nnx.Optimizer whose wrt filter leaves them out, or an"
             " update that skips them). Make the optimizer follow the scheme"
             " (nnx.Optimizer(model, tx, wrt=scheme.nnx_wrt())), or freeze them in the scheme.")

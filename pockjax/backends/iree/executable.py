@@ -148,6 +148,26 @@ class IreeExecutable(StatefulModule):
                 outs.append(next(aux))
         return outs
 
+    def adopt_host_copies(self, values: Sequence[Any]) -> list:
+        """``values`` with each :class:`DeviceBuffer` of this module fetched as a ``jax.Array``.
+
+        The array is marked as that input's upload, so passing it back as the
+        next call's state costs no transfer (as a JAX array from an earlier
+        call does). A compiled NNX step puts these into the model's variables,
+        which then work with any JAX code, as after ``nnx.jit``.
+        """
+        import jax.numpy as jnp
+
+        index = {id(v): i for i, v in self._state.items()}
+        out = []
+        for x in values:
+            if isinstance(x, DeviceBuffer) and x.session is self.session and id(x.value) in index:
+                arr = jnp.asarray(x.to_host())
+                self._uploaded[index[id(x.value)]] = (arr, x.value)
+                x = arr
+            out.append(x)
+        return out
+
     def export(self, path: str | os.PathLike, *, with_weights: bool = True, extra: Mapping[str, Any] | None = None):
         """Writes the module (and, if set, the current state as weights) to a directory."""
         weights = self.get_state() if (with_weights and self._state) else None

@@ -69,6 +69,10 @@ class IreeStepExecutable:
         """Whether this machine runs the module (else it is only exported)."""
         return callable(self.exe)
 
+    def adopt_host_copies(self, values):
+        """State outputs as ``jax.Array`` s the next call takes without an upload (:meth:`IreeExecutable.adopt_host_copies`)."""
+        return self.exe.adopt_host_copies(values)
+
     def __call__(self, *flat_args):
         if not self.runs_here:
             raise BackendError(
