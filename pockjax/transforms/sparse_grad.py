@@ -141,10 +141,13 @@ def _refuse_hidden_gradients(graph: TrainGraph, scheme: UpdateScheme) -> None:
     if not graph.ungraded:
         return
     sources = graph.out_sources
-    changed = {i for o, i in enumerate(graph.out_to_in) if i is not None and i in graph.ungraded and sources[o] != i}
-    invars = graph.jaxpr.invars
-    read = {invars.index(v) for e in graph.jaxpr.eqns if e.primitive.name in _HIDING_PRIMITIVES
-            for v in e.invars if not isinstance(v, C.Literal) and v in invars}
+    ungraded = set(graph.ungraded)
+    changed = {i for o, i in enumerate(graph.out_to_in) if i is not None and i in ungraded and sources[o] != i}
+    index = {v: i for i, v in enumerate(graph.jaxpr.invars) if i in changed}
+    if not index:
+        return
+    read = {index[v] for e in graph.jaxpr.eqns if e.primitive.name in _HIDING_PRIMITIVES
+            for v in e.invars if not isinstance(v, C.Literal) and v in index}
     hidden = [graph.in_paths[i] for i in sorted(changed & read)
               if not isinstance(scheme.rule_for(graph.in_paths[i])[0], Full)]
     if not hidden:
