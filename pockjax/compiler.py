@@ -335,6 +335,7 @@ def _is_nnx_module(x) -> bool:
     return hit
 
 
+@functools.lru_cache(maxsize=None)
 def _nnx_node_kinds() -> tuple:
     """NNX's graph-node base classes (``nnx.Pytree`` / ``nnx.Object``): Module, Optimizer, Metric, Rngs."""
     try:
@@ -365,16 +366,24 @@ def _nnx_parts(args: Sequence) -> tuple[tuple, tuple, tuple[int, ...]]:
         >>> len(nodes), len(values), pos
         (2, 1, (1,))
     """
-    kinds = _nnx_node_kinds()
-    if kinds:
-        from flax import nnx
-
-        kinds = kinds + (nnx.Variable,)  # a bare variable the step writes into (v[...] *= 0.5)
+    kinds = _nnx_argument_kinds()
     rest = args[1:]
     pos = tuple(i for i, a in enumerate(rest) if kinds and isinstance(a, kinds))
     nodes = (args[0],) + tuple(rest[i] for i in pos)
     values = tuple(a for i, a in enumerate(rest) if i not in pos)
     return nodes, values, pos
+
+
+@functools.lru_cache(maxsize=None)
+def _nnx_argument_kinds() -> tuple:
+    """What :func:`_nnx_parts` carries as state: NNX's graph nodes, and a bare ``nnx.Variable``
+    the step writes into (``v[...] *= 0.5``). Looked up once: an NNX step's every call splits its arguments."""
+    kinds = _nnx_node_kinds()
+    if not kinds:  # pragma: no cover
+        return ()
+    from flax import nnx
+
+    return kinds + (nnx.Variable,)
 
 
 def _with_nodes(values: Sequence, nodes: Sequence, pos: tuple[int, ...]) -> list:

@@ -121,6 +121,25 @@ _HIDING_PRIMITIVES = frozenset({"convert_element_type", "sharding_constraint", "
                                 "concatenate", "scan", "while"})
 
 
+def _some(paths: list[str]) -> str:
+    """The first four of ``paths`` for a message, and how many more there are."""
+    return ", ".join(repr(p) for p in paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+
+
+def _returned_unchanged(graph: TrainGraph) -> set[int]:
+    """The inputs the step returns as they came: forwarded as is, or through their parameter tag.
+
+    An NNX variable holds the tagged value after ``nnx.grad``, so an
+    untouched one comes back through its tag (:attr:`TrainGraph.out_sources`
+    sees only the first kind).
+    """
+    jaxpr = graph.jaxpr
+    index = {v: i for i, v in enumerate(jaxpr.invars)}
+    tagged = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns if e.primitive is tags.param_tag_p}
+    return {i for v, i in zip(jaxpr.outvars, graph.out_to_in)
+            if i is not None and not isinstance(v, C.Literal) and index.get(tagged.get(v, v)) == i}
+
+
 def _refuse_hidden_gradients(graph: TrainGraph, scheme: UpdateScheme) -> None:
     """Refuses a step that changes a parameter through a gradient pockjax cannot see.
 
@@ -140,9 +159,7 @@ def _refuse_hidden_gradients(graph: TrainGraph, scheme: UpdateScheme) -> None:
     """
     if not graph.ungraded:
         return
-    sources = graph.out_sources
-    ungraded = set(graph.ungraded)
-    changed = {i for o, i in enumerate(graph.out_to_in) if i is not None and i in ungraded and sources[o] != i}
+    changed = (set(graph.ungraded) & set(graph.out_to_in)) - _returned_unchanged(graph)
     index = {v: i for i, v in enumerate(graph.jaxpr.invars) if i in changed}
     if not index:
         return
@@ -152,9 +169,8 @@ def _refuse_hidden_gradients(graph: TrainGraph, scheme: UpdateScheme) -> None:
               if not isinstance(scheme.rule_for(graph.in_paths[i])[0], Full)]
     if not hidden:
         return
-    shown = ", ".join(repr(p) for p in hidden[:4]) + (f" and {len(hidden) - 4} more" if len(hidden) > 4 else "")
     raise SchemeError(
-        f"{graph.step_name} changes the parameter(s) {shown}, which the scheme does not train in full, but"
+        f"{graph.step_name} changes the parameter(s) {_some(hidden)}, which the scheme does not train in full, but"
         " takes no gradient with respect to them that pockjax can see, so it cannot follow the scheme for"
         " them: the gradient seems taken of a value computed from them (a cast such as"
         " p.astype(jnp.bfloat16), with_sharding_constraint, ravel_pytree), or inside a lax.scan /"
@@ -206,25 +222,12 @@ def _refuse_trained_but_unchanged(graph: TrainGraph, scheme: UpdateScheme, idx, 
     too). The scheme and the optimizer disagree, and the step would spend
     the parameter's gradient for nothing, or train nothing at all.
     """
-    # the input itself, or the input through a parameter tag: an NNX variable holds the
-    # tagged value after nnx.grad, so an untouched one comes back through its tag
-    jaxpr = graph.jaxpr
-    index = {v: i for i, v in enumerate(jaxpr.invars)}
-    tagged = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns if e.primitive is tags.param_tag_p}
-    kept = set()
-    for o, i in enumerate(graph.out_to_in):
-        v = jaxpr.outvars[o]
-        if i is None or isinstance(v, C.Literal):
-            continue
-        if index.get(tagged.get(v, v)) == i:
-            kept.add(i)
+    kept = _returned_unchanged(graph)
     unchanged = [graph.in_paths[i] for i, r in zip(idx, resolved)
                  if isinstance(r, (Full, ChannelSelect)) and i in kept]
     if unchanged:
-        shown = ", ".join(repr(p) for p in unchanged[:4]) + (f" and {len(unchanged) - 4} more"
-                                                            if len(unchanged) > 4 else "")
         raise SchemeError(
-            f"the scheme{' ' + scheme.name if scheme.name else ''} trains {shown}, but {graph.step_name} returns them unchanged: the"
+            f"the scheme{' ' + scheme.name if scheme.name else ''} trains {_some(unchanged)}, but {graph.step_name} returns them unchanged: the"
             " optimizer never updates them (an nnx.Optimizer whose wrt filter leaves them out, or an"
             " update that skips them). Make the optimizer follow the scheme"
             " (nnx.Optimizer(model, tx, wrt=scheme.nnx_wrt())), or freeze them in the scheme.")
