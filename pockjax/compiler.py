@@ -39,7 +39,7 @@ from pockjax import _compat as C
 from pockjax import quant
 from pockjax.analysis import PruneSummary, summarize
 from pockjax.backends.xla import SignatureChanged, XlaExecutable
-from pockjax.errors import BackendError, StepSignatureError
+from pockjax.errors import BackendError, StepSignatureError, some
 from pockjax.graph import MODEL_STATE, OPT_STATE, PARAM, TrainGraph, is_train_state, step_name, trace_step
 from pockjax.optim.state import SparseOptState
 from pockjax.paths import keypath_to_parts
@@ -598,8 +598,17 @@ class CompiledFunction:
             expected = [tuple(np.shape(x)) for state in sparse_states for x in state.leaves]
             got = [tuple(graph.in_avals[i].shape) for i, r in enumerate(graph.in_roles) if r == OPT_STATE]
             if expected != got:
+                k = next((k for k, (e, g) in enumerate(zip(expected, got)) if e != g), min(len(expected), len(got)))
+                first = (f"leaf {k} has shape {expected[k] if k < len(expected) else 'none'}, the step needs"
+                         f" {got[k] if k < len(got) else 'none'}")
+                hint = ("" if self.passes is None else " With passes=, build the pipeline with"
+                        " default_passes(scheme, sparse_opt_state=True) (or sparse_grad(scheme,"
+                        " sparse_opt_state=True)), as pockjax.compile does.")
                 raise StepSignatureError(
-                    f"{name}: the sparse optimizer state has leaf shapes {expected} but the step needs {got}"
+                    f"{name}: the sparse optimizer state does not fit the step: it has {len(expected)} leaves,"
+                    f" the step reads {len(got)} ({first}; the state's leaf shapes: {some(expected)}; the"
+                    f" step's: {some(got)}). Pass the state pockjax.init_opt_state(tx, params, scheme) made"
+                    f" for this scheme and these parameters.{hint}"
                 )
         # The state arguments come back with the structure they came in with
         # (a SparseOptState stays sparse); aux outputs as traced.

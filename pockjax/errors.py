@@ -105,3 +105,20 @@ class UnknownTaskError(PockjaxError, KeyError):
 
     def __str__(self) -> str:  # KeyError would print the message with quotes
         return str(self.args[0]) if self.args else ""
+
+
+def some(items, limit: int = 4) -> str:
+    """The first ``limit`` of ``items`` for an error message (each as its repr), and how many more.
+
+    Every message that names a list of paths, tensors or shapes goes through
+    this, so that a model with thousands of them gets a readable line.
+
+    Example:
+      >>> some(["a", "b"])
+      "'a', 'b'"
+      >>> some(range(7))
+      '0, 1, 2, 3 and 3 more'
+    """
+    items = list(items)
+    head = ", ".join(repr(x) for x in items[:limit])
+    return head + (f" and {len(items) - limit} more" if len(items) > limit else "")

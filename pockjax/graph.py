@@ -20,7 +20,7 @@ import numpy as np
 from pockjax import _compat as C
 from pockjax import tags
 from pockjax._src.jaxpr import contains
-from pockjax.errors import PockjaxError, StepSignatureError
+from pockjax.errors import PockjaxError, StepSignatureError, some
 from pockjax.paths import leaf_paths
 
 PARAM = "param"
@@ -527,7 +527,7 @@ def unwrap_jit(fn: Callable) -> Callable:
 
 def _describe_tree(tree) -> str:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return f"{treedef} with shapes {[tuple(np.shape(x)) for x in leaves][:6]}{'...' if len(leaves) > 6 else ''}"
+    return f"{treedef} with shapes {some([tuple(np.shape(x)) for x in leaves], 6)}"
 
 
 def _check_outputs(out, args, n_state_args: int, step: str = "the step") -> None:

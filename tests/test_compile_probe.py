@@ -532,3 +532,26 @@ def test_a_sparse_opt_state_in_an_nnx_step_is_refused():
     sparse = pockjax.init_opt_state(tx, nnx.state(model, nnx.Param), scheme)
     with pytest.raises(pockjax.StepSignatureError, match=r"a SparseOptState .* is an argument of an NNX step.*nnx_wrt"):
         pockjax.compile(step, scheme=scheme)(model, sparse, jnp.ones((5, 4)), jnp.zeros((5, 3)))
+
+
+def test_a_sparse_state_for_other_passes_is_refused_in_a_short_message():
+    # passes= built without sparse_opt_state=True read the full optimizer state: the
+    # message said so by listing every leaf shape of both (tens of kilobytes for a LLaMA).
+    params = {f"w{i}": jnp.ones((3, 3)) for i in range(40)}
+    scheme = pockjax.UpdateScheme({"w0": "full"}, default="frozen")
+    tx = optax.adam(1e-2)
+
+    def step(p, s, x):
+        g = jax.grad(lambda p: sum(jnp.sum(jnp.tanh(x @ w)) for w in p.values()))(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    f = pockjax.compile(step, scheme=scheme, passes=pockjax.default_passes(scheme))
+    with pytest.raises(pockjax.StepSignatureError) as err:
+        f(params, pockjax.init_opt_state(tx, params, scheme), jnp.ones((2, 3)))
+    text = str(err.value)
+    assert "does not fit the step: it has 3 leaves, the step reads 81 (leaf 3 has shape none" in text
+    assert "default_passes(scheme, sparse_opt_state=True)" in text and len(text) < 900
+    ok = pockjax.compile(step, scheme=scheme, passes=pockjax.default_passes(scheme, sparse_opt_state=True))
+    p, _ = ok(params, pockjax.init_opt_state(tx, params, scheme), jnp.ones((2, 3)))
+    assert not np.array_equal(np.asarray(p["w0"]), np.ones((3, 3)))

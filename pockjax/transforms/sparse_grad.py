@@ -33,7 +33,7 @@ import numpy as np
 
 from pockjax import _compat as C
 from pockjax import tags
-from pockjax.errors import PockjaxError, SchemeError
+from pockjax.errors import PockjaxError, SchemeError, some
 from pockjax.graph import MODEL_STATE, OPT_STATE, PARAM, PassRecord, TrainGraph
 from pockjax.scheme import ChannelSelect, Frozen, Full, UpdateScheme
 from pockjax._src import jaxpr as _interp
@@ -121,11 +121,6 @@ _HIDING_PRIMITIVES = frozenset({"convert_element_type", "sharding_constraint", "
                                 "concatenate", "scan", "while"})
 
 
-def _some(paths: list[str]) -> str:
-    """The first four of ``paths`` for a message, and how many more there are."""
-    return ", ".join(repr(p) for p in paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
-
-
 def _returned_unchanged(graph: TrainGraph) -> set[int]:
     """The inputs the step returns as they came: forwarded as is, or through their parameter tag.
 
@@ -170,7 +165,7 @@ def _refuse_hidden_gradients(graph: TrainGraph, scheme: UpdateScheme) -> None:
     if not hidden:
         return
     raise SchemeError(
-        f"{graph.step_name} changes the parameter(s) {_some(hidden)}, which the scheme does not train in full, but"
+        f"{graph.step_name} changes the parameter(s) {some(hidden)}, which the scheme does not train in full, but"
         " takes no gradient with respect to them that pockjax can see, so it cannot follow the scheme for"
         " them: the gradient seems taken of a value computed from them (a cast such as"
         " p.astype(jnp.bfloat16), with_sharding_constraint, ravel_pytree), or inside a lax.scan /"
@@ -208,7 +203,7 @@ def resolve_rules(graph: TrainGraph, scheme: UpdateScheme, *, allow_nothing_trai
         raise SchemeError(
             f"the scheme {scheme!r} freezes every parameter of {step}: the step would train nothing. "
             f"Give some parameters a 'full' or channels(...) rule (parameters: "
-            f"{[graph.in_paths[i] for i in idx][:6]}{'...' if len(idx) > 6 else ''})."
+            f"{some([graph.in_paths[i] for i in idx], 6)})."
         )
     _refuse_trained_but_unchanged(graph, scheme, idx, resolved)
     return dict(zip(idx, resolved))
@@ -227,7 +222,7 @@ def _refuse_trained_but_unchanged(graph: TrainGraph, scheme: UpdateScheme, idx, 
                  if isinstance(r, (Full, ChannelSelect)) and i in kept]
     if unchanged:
         raise SchemeError(
-            f"the scheme{' ' + scheme.name if scheme.name else ''} trains {_some(unchanged)}, but {graph.step_name} returns them unchanged: the"
+            f"the scheme{' ' + scheme.name if scheme.name else ''} trains {some(unchanged)}, but {graph.step_name} returns them unchanged: the"
             " optimizer never updates them (an nnx.Optimizer whose wrt filter leaves them out, or an"
             " update that skips them). Make the optimizer follow the scheme"
             " (nnx.Optimizer(model, tx, wrt=scheme.nnx_wrt())), or freeze them in the scheme.")

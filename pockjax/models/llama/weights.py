@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from pockjax.errors import ModelFileError
+from pockjax.errors import ModelFileError, some
 from pockjax.models.llama.config import LlamaConfig, is_positive_number
 
 __all__ = ["build_model", "check_params", "config_from_fields", "expected_shapes", "unstack_layers"]
@@ -107,12 +107,10 @@ def check_params(source: str | os.PathLike, cfg: LlamaConfig, params: dict[str, 
     expected = expected_shapes(cfg)
     missing = sorted(set(expected) - set(params))
     if missing:
-        raise error(f"{source} lacks tensors for {missing[:5]}"
-                    f"{' ...' if len(missing) > 5 else ''}")
+        raise error(f"{source} lacks tensors for {some(missing, 5)}")
     extra = sorted(set(params) - set(expected))
     if extra:
-        raise error(f"{source} has tensors the config does not use: {extra[:5]}"
-                    f"{' ...' if len(extra) > 5 else ''}")
+        raise error(f"{source} has tensors the config does not use: {some(extra, 5)}")
     for name, shape in expected.items():
         if tuple(params[name].shape) != shape:
             raise error(f"{source}: {name} has shape {tuple(params[name].shape)}, the config"
@@ -175,8 +173,8 @@ def build_model(config: LlamaConfig, flat_params: dict[str, Any], *, dtype: Any 
     extra = sorted(set(flat) - set(expected))
     missing = sorted(set(expected) - set(flat))
     if extra or missing:
-        raise ModelFileError(f"parameters do not match the config: missing {missing[:5]},"
-                             f" unexpected {extra[:5]}")
+        raise ModelFileError(f"parameters do not match the config: missing {some(missing, 5) or 'none'},"
+                             f" unexpected {some(extra, 5) or 'none'}")
     arrays = {}
     for name, spec in expected.items():
         value = flat[name]
