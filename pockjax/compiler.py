@@ -40,7 +40,7 @@ from pockjax import quant
 from pockjax.analysis import PruneSummary, summarize
 from pockjax.backends.xla import SignatureChanged, XlaExecutable
 from pockjax.errors import BackendError, StepSignatureError, some
-from pockjax.graph import MODEL_STATE, OPT_STATE, PARAM, TrainGraph, is_train_state, step_name, trace_step
+from pockjax.graph import MODEL_STATE, OPT_STATE, PARAM, TrainGraph, is_train_state, step_name, trace_step, unwrap_jit
 from pockjax.optim.state import SparseOptState
 from pockjax.paths import keypath_to_parts
 from pockjax.scheme import UpdateScheme
@@ -738,11 +738,19 @@ class CompiledFunction:
                     " into one variable per array)")
         roles, paths = [], []
         optimizer_types = tuple(k for k in (getattr(nnx, "Optimizer", None),) if isinstance(k, type))
+        # nnx.ModelAndOptimizer (deprecated in Flax 0.12): the model rides inside the optimizer,
+        # under .model; its parameters keep the model's own paths (those of scheme.nnx_wrt()).
+        inside = (bool(optimizer_types) and isinstance(nodes[0], optimizer_types)
+                  and isinstance(getattr(nodes[0], "model", None), nnx.Module))
         for keypath, var in flat_vars:
             parts = keypath_to_parts(keypath)
             owner, rest = int(parts[0]), ".".join(parts[1:])
             arg = 0 if owner == 0 else 1 + pos[owner - 1]  # the argument the leaf came in
-            if owner == 0:
+            if owner == 0 and inside and parts[1] != "model":  # the optimizer's own state
+                roles.append(OPT_STATE)
+                paths.append(f"opt_state.{rest}")
+            elif owner == 0:
+                rest = ".".join(parts[2:]) if inside else rest
                 roles.append(PARAM if isinstance(var, nnx.Param) else MODEL_STATE)
                 paths.append(rest if isinstance(var, nnx.Param) else f"model_state.{rest}")
             elif arg == 1 and optimizer_types and isinstance(nodes[owner], optimizer_types):
@@ -753,7 +761,7 @@ class CompiledFunction:
             else:  # metrics, rngs, another optimizer or model (an EMA teacher): updated as the step computes
                 roles.append(MODEL_STATE)
                 paths.append(f"arg{arg}.{rest}" if rest else f"arg{arg}")
-        step = self.step
+        step = unwrap_jit(self.step)  # nnx.jit's tracers would hide the parameters from the gradient tags
 
         def functional(state_leaves, *batch_args):
             st = jax.tree_util.tree_unflatten(state_def, state_leaves)

@@ -555,3 +555,169 @@ def test_a_sparse_state_for_other_passes_is_refused_in_a_short_message():
     ok = pockjax.compile(step, scheme=scheme, passes=pockjax.default_passes(scheme, sparse_opt_state=True))
     p, _ = ok(params, pockjax.init_opt_state(tx, params, scheme), jnp.ones((2, 3)))
     assert not np.array_equal(np.asarray(p["w0"]), np.ones((3, 3)))
+
+
+# -- gradients taken at a value computed from the parameters ---------------------------
+def _two_layer_loss(p, x, y):
+    return jnp.mean((jnp.tanh(x @ p["enc"]) @ p["head"] - y) ** 2)
+
+
+def _sam_step(tx, shift_in_loss: bool, zero_frozen: bool = False):
+    """Sharpness-aware minimization by hand: the update uses the gradient at ``p + rho * g / |g|``."""
+    def zero(g):
+        return {**g, "enc": jnp.zeros_like(g["enc"])} if zero_frozen else g
+
+    def step(p, s, x, y):
+        g1 = zero(jax.grad(_two_layer_loss)(p, x, y))
+        shift = jax.tree.map(lambda g: 0.5 * g / optax.tree.norm(g1), g1)
+        if shift_in_loss:  # the gradient at the parameters, the shift a constant inside the loss
+            shift = jax.lax.stop_gradient(shift)
+            g2 = jax.grad(lambda q: _two_layer_loss(jax.tree.map(jnp.add, q, shift), x, y))(p)
+        else:  # the gradient at the perturbed point, a value computed from the parameters
+            g2 = jax.grad(_two_layer_loss)(jax.tree.map(jnp.add, p, shift), x, y)
+        u, s = _SAM_TX.update(zero(g2), s, p)
+        return optax.apply_updates(p, u), s, optax.tree.norm(zero(g2))
+    return step
+
+
+_SAM_TX = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+
+
+def _sam_data():
+    k = jax.random.split(jax.random.key(0), 4)
+    p = {"enc": jax.random.normal(k[0], (8, 16)), "head": jax.random.normal(k[1], (16, 3))}
+    return p, jax.random.normal(k[2], (12, 8)) * 3, jax.random.normal(k[3], (12, 3)) * 20
+
+
+def test_a_gradient_at_a_perturbed_point_is_refused_under_a_scheme():
+    # SAM's second gradient is taken at p + rho * g / |g|: pockjax saw no gradient of the
+    # parameters there, so the frozen entries of it were computed and counted in
+    # clip_by_global_norm, and the trained 'head' moved by 0.03 more than under jax.jit
+    # with 'enc' untrained (its global norm: 84.2 against 34.5). Now refused, with the fix.
+    p, x, y = _sam_data()
+    scheme = pockjax.UpdateScheme({"head": "full"})
+    with pytest.raises(pockjax.SchemeError, match="gradient taken at a value computed from the parameters"
+                       ".*stop_gradient"):
+        pockjax.compile(_sam_step(_SAM_TX, False), scheme=scheme)(p, _SAM_TX.init(p), x, y)
+    # the fix the message gives: the same SAM step, exactly jax.jit's with 'enc' untrained
+    ref = jax.jit(_sam_step(_SAM_TX, True, zero_frozen=True))(jax.tree.map(jnp.copy, p), _SAM_TX.init(p), x, y)
+    got = pockjax.compile(_sam_step(_SAM_TX, True), scheme=scheme)(jax.tree.map(jnp.copy, p), _SAM_TX.init(p), x, y)
+    assert float(got[2]) == pytest.approx(float(ref[2]), rel=1e-6)
+    np.testing.assert_allclose(np.asarray(got[0]["head"]), np.asarray(ref[0]["head"]), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got[0]["enc"]), np.asarray(p["enc"]))
+    # without frozen parameters there is nothing to restrict: the perturbed-point step runs as under jit
+    full = pockjax.compile(_sam_step(_SAM_TX, False), scheme=pockjax.UpdateScheme.full())
+    out = full(jax.tree.map(jnp.copy, p), _SAM_TX.init(p), x, y)
+    ref = jax.jit(_sam_step(_SAM_TX, False))(jax.tree.map(jnp.copy, p), _SAM_TX.init(p), x, y)
+    np.testing.assert_allclose(np.asarray(out[0]["head"]), np.asarray(ref[0]["head"]), atol=1e-6)
+
+
+def _fgsm(p, x, y):
+    """An adversarial batch from the gradient of the input, then the gradient of the parameters."""
+    gp, gx = jax.grad(_two_layer_loss, argnums=(0, 1))(p, x, y)
+    return jax.value_and_grad(_two_layer_loss)(p, x + 0.1 * jnp.sign(gx), y)
+
+
+def _gradient_penalty(p, x, y):
+    def total(p):
+        gx = jax.grad(lambda xx: jnp.sum(jnp.tanh(xx @ p["enc"]) @ p["head"]))(x)
+        return _two_layer_loss(p, x, y) + 0.1 * jnp.mean(jnp.sum(gx ** 2, -1))
+    return jax.value_and_grad(total)(p)
+
+
+def _maml(p, x, y):
+    def outer(p):
+        g = jax.grad(_two_layer_loss)(p, x, y)
+        return _two_layer_loss(jax.tree.map(lambda a, b: a - 0.1 * b, p, g), x, y)
+    return jax.value_and_grad(outer)(p)
+
+
+@pytest.mark.parametrize("grads", [_fgsm, _gradient_penalty, _maml], ids=["fgsm", "gradient-penalty", "maml"])
+def test_other_backward_passes_are_not_taken_for_hidden_gradients(grads):
+    # Backward passes that reach the parameters only through their tagged gradient (an
+    # adversarial batch, a penalty on an input gradient, a gradient through an inner step)
+    # compile as jax.jit computes them with the frozen gradients zeroed.
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    p, x, y = _sam_data()
+    scheme = pockjax.UpdateScheme({"head": "full"})
+
+    def make(zero_frozen):
+        def step(p, s, x, y):
+            loss, g = grads(p, x, y)
+            g = {**g, "enc": jnp.zeros_like(g["enc"])} if zero_frozen else g
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s, loss
+        return step
+
+    ref_step, got_step = jax.jit(make(True)), pockjax.compile(make(False), scheme=scheme)
+    rp, rs = jax.tree.map(jnp.copy, p), tx.init(p)
+    gp, gs = jax.tree.map(jnp.copy, p), pockjax.init_opt_state(tx, p, scheme)
+    for _ in range(3):
+        rp, rs, rloss = ref_step(rp, rs, x, y)
+        gp, gs, gloss = got_step(gp, gs, x, y)
+        assert float(gloss) == pytest.approx(float(rloss), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(rp), jax.tree.leaves(gp)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_an_nnx_jit_decorated_step_takes_a_scheme():
+    # nnx.jit's own tracers hid the parameters from pockjax's gradient tags: with any scheme
+    # the step was refused as one that "differentiates none of its parameters".
+    def make(decorate):
+        def step(model, optimizer, x, y):
+            loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+            optimizer.update(model, grads)
+            return loss
+        return nnx.jit(step) if decorate else step
+
+    scheme = pockjax.UpdateScheme({"l2.*": "full"})
+    x, y = jnp.ones((5, 4)), jnp.zeros((5, 3))
+    losses, kernels = [], []
+    for decorate in (True, False):
+        model = _Net(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=scheme.nnx_wrt())
+        step = pockjax.compile(make(decorate), scheme=scheme)
+        losses.append([float(step(model, opt, x, y)) for _ in range(3)])
+        kernels.append((np.asarray(model.l1.kernel[...]), np.asarray(model.l2.kernel[...])))
+    assert losses[0] == losses[1] and losses[0][2] < losses[0][0]
+    np.testing.assert_array_equal(kernels[0][1], kernels[1][1])
+    np.testing.assert_array_equal(kernels[0][0], np.asarray(_Net(nnx.Rngs(0)).l1.kernel[...]))  # frozen
+
+
+def test_a_factored_optimizer_state_cannot_be_kept_by_channel():
+    tx = optax.adafactor(1e-2, min_dim_size_to_factor=4)
+    p = {"mid": jnp.ones((8, 16)), "head": jnp.ones((16, 3))}
+    scheme = pockjax.UpdateScheme({"mid": pockjax.channels(4), "head": "full"})
+    with pytest.raises(pockjax.SchemeError, match="optimizer state '0.v_row.mid' comes out of tx.init with shape"
+                       " \\(4,\\).*needs \\(8,\\).*tx.init\\(params\\)"):
+        pockjax.init_opt_state(tx, p, scheme)
+
+
+def test_an_nnx_model_and_optimizer_keeps_the_models_paths():
+    # nnx.ModelAndOptimizer holds the model under .model: its parameters were named
+    # 'model.l2.kernel', so one scheme could not serve both nnx_wrt() and compile, and the
+    # optimizer's state was model state, never pruned. Now the model's own paths and the
+    # optimizer's state as optimizer state, as with step(model, optimizer, ...).
+    if not hasattr(nnx, "ModelAndOptimizer"):
+        pytest.skip("this Flax has no nnx.ModelAndOptimizer")  # pragma: no cover
+
+    def step(optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(optimizer.model)
+        optimizer.update(grads)
+        return loss
+
+    scheme = pockjax.UpdateScheme({"l2.*": "full"})
+    x, y = jax.random.normal(jax.random.key(1), (5, 4)), jax.random.normal(jax.random.key(2), (5, 3))
+    runs = []
+    for compiled in (True, False):
+        opt = nnx.ModelAndOptimizer(_Net(nnx.Rngs(0)), optax.adam(1e-2), wrt=scheme.nnx_wrt())
+        f = pockjax.compile(step, scheme=scheme) if compiled else nnx.jit(step)
+        runs.append(([float(f(opt, x, y)) for _ in range(3)], nnx.state(opt)))
+    assert runs[0][0] == pytest.approx(runs[1][0], rel=1e-6)
+    for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    lowered = pockjax.compile(step, scheme=scheme)._nnx_lowered(nnx.ModelAndOptimizer(
+        _Net(nnx.Rngs(0)), optax.adam(1e-2), wrt=scheme.nnx_wrt()), x, y)[0]
+    params = [p for p, r in zip(lowered.traced.in_paths, lowered.traced.in_roles) if r == "param"]
+    assert sorted(params) == ["l1.bias", "l1.kernel", "l2.bias", "l2.kernel"]
+    assert any(r == "opt_state" for r in lowered.traced.in_roles)

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from pockjax import quant
+from pockjax.errors import SchemeError
 from pockjax.graph import optstate_param_map
 from pockjax.paths import leaf_paths
 from pockjax.scheme import ChannelSelect, Frozen, UpdateScheme
@@ -130,13 +131,20 @@ def init_opt_state(tx, params, scheme: UpdateScheme) -> SparseOptState:
         return [x for x, mode in zip(state, modes) if mode != "drop"]
 
     kept = jax.jit(kept_state)([p for p, a in zip(sliced_leaves, abstract_at) if not a])
-    kept_modes = [(m, a) for m, a in zip(modes, full_leaves) if m != "drop"]
-    for value, (mode, aval) in zip(kept, kept_modes):
+    state_paths = leaf_paths(full)
+    kept_at = [k for k, m in enumerate(modes) if m != "drop"]
+    for value, k in zip(kept, kept_at):
+        mode, aval = modes[k], full_leaves[k]
         expected = slicing.sliced_shape(mode, aval.shape) if isinstance(mode, ChannelSelect) else aval.shape
         if tuple(np.shape(value)) != tuple(expected):
-            raise ValueError(
-                f"optimizer state leaf of shape {np.shape(value)} does not match the expected {expected}; "
-                "this optimizer's state is not elementwise in the parameters: use tx.init(params)"
+            owner = (f" (the state of {param_paths[mapping[k]]!r}, ruled {rules[mapping[k]]})"
+                     if mapping[k] is not None else "")
+            raise SchemeError(
+                f"optimizer state {state_paths[k]!r}{owner} comes out of tx.init with shape"
+                f" {tuple(np.shape(value))} for the trained channels, where the scheme's layout needs"
+                f" {tuple(expected)}: this optimizer's state is not elementwise in the parameters (a factored"
+                " second moment, as optax.adafactor keeps), so it cannot be kept channel by channel. Initialise"
+                " the full state with tx.init(params), or train that parameter in full"
             )
     return SparseOptState(kept, layout)
 

@@ -176,6 +176,74 @@ def _refuse_hidden_gradients(graph: TrainGraph, scheme: UpdateScheme) -> None:
         " of their own.")
 
 
+def _untagged_gradient_outputs(graph: TrainGraph) -> list[int]:
+    """Inputs whose new value (or optimizer state) depends on a gradient pockjax did not tag.
+
+    pockjax tags a parameter's gradient where autodiff linearizes with
+    respect to the parameter itself (:func:`~pockjax.graph.trace_step`).
+    A gradient taken at a value computed from the parameters (SAM's second
+    gradient at ``p + rho * g / |g|``, one of ``p + 0`` or ``p.astype(bf16)``)
+    is a backward pass whose results reach no ``grad_tag``. Here a value is
+    *untagged* when a backward-pass equation (``transpose`` in its name
+    stack) computed it, or it was computed from an untagged value, and no
+    ``grad_tag`` stands between: a tagged gradient is the sanctioned way out
+    of a backward pass (an adversarial batch ``x + eps * sign(grad_x)``
+    reaches the parameters only through the tagged gradient of the loss at
+    it). Equations holding nested jaxprs count as their outer equation only
+    (a gradient inside a loop is :func:`_refuse_hidden_gradients`' part).
+    Returns the input indices of parameters (and of float leaves passed as
+    parameters that the step never differentiates) whose output, or any of
+    the optimizer state's outputs, holds an untagged value.
+    """
+    jaxpr = graph.jaxpr
+    untagged: set = set()
+    for e in jaxpr.eqns:
+        if e.primitive is tags.grad_tag_p:
+            continue
+        if (_interp.phase(e) == _interp.Phase.BACKWARD
+                or any(not isinstance(v, C.Literal) and v in untagged for v in e.invars)):
+            untagged.update(v for v in e.outvars if not isinstance(v, C.DropVar))
+    if not untagged:
+        return []
+    watched = set(graph.inputs_with_role(PARAM)) | set(graph.ungraded)
+    opt_state = any(r == OPT_STATE and v in untagged for v, r in zip(jaxpr.outvars, graph.out_roles)
+                    if not isinstance(v, C.Literal))
+    hit = [i for v, i in zip(jaxpr.outvars, graph.out_to_in)
+           if i in watched and not isinstance(v, C.Literal) and v in untagged]
+    if opt_state and not hit:
+        hit = sorted(watched)
+    return hit
+
+
+def _refuse_untagged_gradients(graph: TrainGraph, scheme: UpdateScheme, idx, resolved) -> None:
+    """Refuses a step that updates with a gradient pockjax cannot restrict to the scheme.
+
+    Such a gradient (:func:`_untagged_gradient_outputs`) is computed in full,
+    frozen entries included, and pockjax cannot prune it: frozen entries are
+    put back after the update, but until then they count in every reduction
+    over the gradients (``clip_by_global_norm``, a global norm, a
+    non-elementwise optimizer), so the trained entries would not get
+    ``jax.jit``'s update with the frozen gradients absent. Only when the
+    scheme trains every parameter in full is there nothing to restrict.
+    """
+    if all(isinstance(r, Full) for r in resolved):
+        return
+    hit = _untagged_gradient_outputs(graph)
+    if not hit:
+        return
+    raise SchemeError(
+        f"{graph.step_name} updates {some([graph.in_paths[i] for i in hit])} with a gradient taken at a value"
+        " computed from the parameters (such as SAM's perturbed point p + rho * g / |g|, p.astype(jnp.bfloat16)"
+        " or p + 0), not at the parameters themselves, so pockjax cannot see which of its entries the scheme"
+        " freezes: they would be computed and would count in every reduction over the gradients"
+        " (clip_by_global_norm, a global norm), and the trained parameters would get another update than"
+        " under jax.jit with the frozen ones untrained. Take every gradient at the parameters and move the"
+        " shift into the loss: jax.grad(lambda p: loss(jax.tree.map(jnp.add, p, shift), batch))(params) with"
+        " shift = jax.lax.stop_gradient(rho * g / norm) gives SAM's second gradient, and casts belong inside"
+        " the loss too. optax.contrib.sam in opaque mode takes its gradients at perturbed parameters: use"
+        " opaque_mode=False. Or train every parameter in full (no frozen or channels rules).")
+
+
 def resolve_rules(graph: TrainGraph, scheme: UpdateScheme, *, allow_nothing_trained: bool = False) -> dict[int, RuleOf]:
     """``{param input index: Full() | Frozen() | ChannelSelect}`` for a graph.
 
@@ -206,6 +274,7 @@ def resolve_rules(graph: TrainGraph, scheme: UpdateScheme, *, allow_nothing_trai
             f"{some([graph.in_paths[i] for i in idx], 6)})."
         )
     _refuse_trained_but_unchanged(graph, scheme, idx, resolved)
+    _refuse_untagged_gradients(graph, scheme, idx, resolved)
     return dict(zip(idx, resolved))
 
 
