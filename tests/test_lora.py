@@ -92,6 +92,18 @@ def _masked_reference(graphdef, tx, params, scheme):
     return jax.jit(answer_train_step(graphdef, rtx, window=2)), rtx.init(params)
 
 
+def _side_by_side(a, b, batch, *, steps: int, atol: float):
+    """Runs two ``(step, params, opt_state)`` side by side: equal losses each step, equal params at the end."""
+    (fa, pa, sa), (fb, pb, sb) = a, b
+    for _ in range(steps):
+        pa, sa, la = fa(pa, sa, batch)
+        pb, sb, lb = fb(pb, sb, batch)
+        np.testing.assert_allclose(float(lb), float(la), rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol)
+    return pa, pb
+
+
 def test_lora_step_equals_jit_and_never_forms_the_delta():
     cfg, graphdef, params, batch = _tiny()
     # LoRA on attention + sparse FFN channels of the last block + full norms, in one scheme
@@ -107,13 +119,7 @@ def test_lora_step_equals_jit_and_never_forms_the_delta():
     # every adapted product (forward and input gradient) and adapter gradient from the factors
     assert (record.adapters, record.factored_products, record.factored_gradients, record.dense) == (n, 2 * n, n, 0)
     ref, rstate = _masked_reference(graphdef, tx, p, scheme)
-    rp = p
-    for _ in range(6):
-        rp, rstate, rloss = ref(rp, rstate, batch)
-        p, state, loss = step(p, state, batch)
-        np.testing.assert_allclose(float(loss), float(rloss), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(rp), jax.tree.leaves(p)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    _, p = _side_by_side((ref, p, rstate), (step, p, state), batch, steps=6, atol=2e-5)
     assert float(jnp.abs(p["layers"][0]["attn"]["wq"]["kernel"].lora_b).max()) > 0  # trained
 
 
@@ -135,14 +141,8 @@ def test_adapter_a_gradient_is_computed_rank_first_and_runs_on_iree():
     assert {readers.get(id(e.outvars[0])) for e in barriers} == {"transpose"}
     # the barrier lowers on IREE too: the same step there equals XLA's
     iree = pockjax.compile(answer_train_step(graphdef, tx, window=2), scheme=scheme, target="cpu")
-    ip, istate = jax.tree.map(jnp.copy, p), pockjax.init_opt_state(tx, p, scheme)
-    xp, xstate = p, state
-    for _ in range(3):
-        ip, istate, iloss = iree(ip, istate, batch)
-        xp, xstate, xloss = step(xp, xstate, batch)
-        np.testing.assert_allclose(float(iloss), float(xloss), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(ip), jax.tree.leaves(xp)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    _side_by_side((iree, jax.tree.map(jnp.copy, p), pockjax.init_opt_state(tx, p, scheme)), (step, p, state),
+                  batch, steps=3, atol=1e-5)
 
 
 def test_a_non_product_reader_gets_the_dense_value_once():
