@@ -844,12 +844,11 @@ def _with_quantized_inputs(graph: TrainGraph, quantized: dict, scheme, in_tree) 
         if i not in quantized:
             continue
         if sources[o] != i:
-            rule = "trains it"
-            if scheme is None:
-                rule = "has no scheme, so it trains every parameter"
+            why = ("with no scheme, pockjax.compile trains every parameter" if scheme is None
+                   else "the scheme trains it")
             raise quant.QuantizationError(
                 f"{graph.step_name}: {graph.in_paths[i]} is quantized ({quantized[i].qtype}) but the step"
-                f" updates it (the scheme {rule}): a quantized tensor cannot be trained. Freeze it in the"
+                f" updates it ({why}): a quantized tensor cannot be trained. Freeze it in the"
                 " scheme ('frozen'), or load it unquantized to train it")
         forward[o] = i
     closed = dequantize_inputs(graph.closed_jaxpr, quantized, forward)

@@ -329,6 +329,43 @@ def gradient_tag_indices(jaxpr) -> set[int]:
     return found
 
 
+def _updated_by_own_state(jaxpr, ungraded: set, in_roles, in_paths, shapes, candidates, out_tree,
+                          n_state_args: int, per_arg_counts) -> set[int]:
+    """Of the ``ungraded`` inputs, those whose new value reads their own optimizer state.
+
+    The step linearized the whole parameter tree, but the loss does not read
+    these leaves: their gradient is a zero autodiff leaves untagged. The
+    optimizer still updates them (AdamW's weight decay) through their own
+    state leaves (paired under the parameters' mirror,
+    :func:`optstate_param_map`). An EMA or lookahead's slow weights, updated
+    by the step's own rule, read no state of their own and stay model state.
+    """
+    if not ungraded:
+        return set()
+    opt_idx = [i for i, r in enumerate(in_roles) if r == OPT_STATE]
+    cand_idx = [i for i, r in enumerate(in_roles) if r == PARAM]
+    if not opt_idx:
+        return set()
+    mapping = optstate_param_map(
+        [in_paths[i].split(".", 1)[1] if "." in in_paths[i] else "" for i in opt_idx],
+        [shapes[i] for i in opt_idx], [in_paths[i] for i in cand_idx], [shapes[i] for i in cand_idx],
+        mirror_paths=candidates)
+    label = {}
+    for i, m in zip(opt_idx, mapping):
+        if m is not None and cand_idx[m] in ungraded:
+            label[jaxpr.invars[i]] = frozenset({cand_idx[m]})
+    if not label:
+        return set()
+    for e in jaxpr.eqns:
+        got = frozenset().union(*(label.get(v, frozenset()) for v in e.invars if not isinstance(v, C.Literal)))
+        if got:
+            for v in e.outvars:
+                label[v] = got
+    n_state_leaves = sum(per_arg_counts[:n_state_args])
+    return {i for i, v in zip(range(n_state_leaves), jaxpr.outvars)
+            if i in ungraded and not isinstance(v, C.Literal) and i in label.get(v, frozenset())}
+
+
 def trace_step(
     step: Callable,
     args: Sequence[Any],
@@ -428,6 +465,13 @@ def trace_step(
     ungraded = tuple(i for i, r in enumerate(in_roles) if r == PARAM and i not in differentiated
                      and not (linen and not in_paths[i].startswith("params."))
                      and jax.numpy.issubdtype(avals[i].dtype, jax.numpy.inexact))
+    # ... unless its optimizer state updates it: a parameter the loss does not read has a zero
+    # gradient that autodiff leaves untagged, and AdamW's decay still moves it (a scheme that
+    # freezes it must then keep it, as PyTorch's requires_grad=False does).
+    driven = _updated_by_own_state(closed.jaxpr, set(ungraded), in_roles, in_paths, [a.shape for a in avals],
+                                   candidates, out_tree, n_state_args, per_arg_counts)
+    differentiated = set(differentiated) | driven
+    ungraded = tuple(i for i in ungraded if i not in driven)
     in_roles = [MODEL_STATE if r == PARAM and i not in differentiated else r for i, r in enumerate(in_roles)]
     param_idx = [i for i, r in enumerate(in_roles) if r == PARAM]
 
