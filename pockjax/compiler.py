@@ -708,6 +708,8 @@ class CompiledFunction:
         """
         from flax import nnx
 
+        from pockjax.adapters import is_lora
+
         nodes, batch, pos = _nnx_parts(args)
         graphdef, state = nnx.split(nodes) if split is None else split
         leaves, state_def = jax.tree_util.tree_flatten(state)
@@ -730,6 +732,12 @@ class CompiledFunction:
                     f"{step_name(self.step)}: NNX variable {'.'.join(keypath_to_parts(keypath))} holds a"
                     " quantized QTensor; quantized frozen weights are compiled in functional steps"
                     " (step(params, opt_state, *batch) with llama.split(model)), not yet in NNX steps")
+            if is_lora(var.get_raw_value()):
+                raise StepSignatureError(
+                    f"{step_name(self.step)}: NNX variable {'.'.join(keypath_to_parts(keypath))} holds a LoRA"
+                    " adapter (pockjax.add_adapters); LoRA is compiled in functional steps"
+                    " (step(params, opt_state, *batch), with the parameters from nnx.split or llama.split),"
+                    " not yet in NNX steps: nnx.Optimizer cannot update an adapted tensor either")
             n = len(jax.tree_util.tree_leaves(var))
             if n != 1:
                 raise StepSignatureError(

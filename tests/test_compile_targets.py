@@ -135,3 +135,33 @@ def test_iree_compile_cache_reuses_only_the_same_module_and_flags(tmp_path, monk
     monkeypatch.delenv("POCKJAX_IREE_CACHE_DIR")
     compile_stablehlo(text, "cpu")                                       # no cache: always compiled
     assert len(calls) == 4
+
+
+def test_python_numbers_take_the_traced_dtype_on_iree():
+    # TrainState.create leaves step=0 a Python int: jax.jit gives it a weak int32 type, the
+    # IREE step refused it ("expected dtype int32, got int64"). A Python float batch
+    # argument (a learning-rate scale) is float32 there too.
+    import flax.linen as nn
+    from flax.training import train_state
+
+    dense = nn.Dense(4)
+    x = jnp.ones((2, 8))
+    params = dense.init(jax.random.key(0), x)["params"]
+
+    def step(state, x, scale):
+        loss, g = jax.value_and_grad(lambda p: scale * jnp.sum(state.apply_fn({"params": p}, x) ** 2))(state.params)
+        return state.apply_gradients(grads=g), loss
+
+    scheme = pockjax.UpdateScheme({"bias": "full"})
+    out = {}
+    for target in (None, "cpu"):
+        st = train_state.TrainState.create(apply_fn=dense.apply, params=jax.tree.map(jnp.copy, params),
+                                           tx=optax.sgd(0.1))
+        assert type(st.step) is int
+        f = pockjax.compile(step, scheme=scheme, target=target)
+        for _ in range(2):
+            st, loss = f(st, x, 0.5)
+        out[target] = (int(np.asarray(st.step)), float(np.asarray(loss)), np.asarray(st.params["bias"]))
+    assert out["cpu"][0] == out[None][0] == 2
+    assert out["cpu"][1] == pytest.approx(out[None][1], rel=1e-5)
+    np.testing.assert_allclose(out["cpu"][2], out[None][2], atol=1e-6)

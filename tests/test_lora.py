@@ -193,3 +193,17 @@ def test_quantized_base_trains_its_adapter():
     assert quant.is_qtensor(kernel.base)
     merged = merge(p)["layers"][0]["attn"]["wq"]["kernel"]
     assert merged.dtype == jnp.float32 and not quant.is_qtensor(merged)
+
+
+def test_an_nnx_step_with_an_adapter_is_refused_by_name():
+    # it was refused as a variable "holding 3 arrays", to be split into one variable per array
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    scheme = pockjax.UpdateScheme({"kernel": pockjax.lora(2), "bias": "full"})
+    nnx.update(model, pockjax.add_adapters(nnx.state(model, nnx.Param), scheme))
+
+    def step(model, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+        return loss
+
+    with pytest.raises(pockjax.StepSignatureError, match="holds a LoRA adapter .*functional steps"):
+        pockjax.compile(step, scheme=scheme)(model, jnp.ones((2, 4)))

@@ -34,6 +34,11 @@ from pockjax.runtime.weights import save_weights
 __all__ = ["CompiledModule", "IreeExecutable", "export_module", "CACHING_ALLOCATOR_DRIVERS"]
 
 
+def _is_python_scalar(a) -> bool:
+    """A Python ``bool``/``int``/``float``/``complex`` (not a NumPy scalar, which has its own dtype)."""
+    return isinstance(a, (bool, int, float, complex)) and not isinstance(a, np.generic)
+
+
 @dataclass
 class CompiledModule:
     """A compiled ``.vmfb`` plus everything needed to run or export it.
@@ -126,6 +131,10 @@ class IreeExecutable(StatefulModule):
         meta = self.metadata
         if len(flat_args) != len(meta.inputs):
             raise InputError(f"expected {len(meta.inputs)} flat inputs, got {len(flat_args)}")
+        # A Python number (TrainState.create's step=0, a learning rate) takes the traced dtype,
+        # as jax.jit gives it a weak type; numpy would make it int64 / float64.
+        flat_args = [np.asarray(a, dtype=spec.dtype) if _is_python_scalar(a) else a
+                     for a, spec in zip(flat_args, meta.inputs)]
         for i in meta.state_inputs:
             a = flat_args[i]
             if isinstance(a, DeviceBuffer) and a.session is self.session:
