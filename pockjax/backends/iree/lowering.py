@@ -257,24 +257,41 @@ def compile_flat(
         flat_avals, out_avals, state_mask, input_names=input_names, output_names=output_names,
         state_outputs=state_outputs,
     )
-    for n in names:
-        if WORKAROUNDS[n].fun_rewrite is not None:
-            fun = WORKAROUNDS[n].fun_rewrite(fun, flat_avals)
-    text = export_stablehlo(fun, flat_avals)
     if state_storage not in ("arguments", "parameters"):
         raise ValueError(f"state_storage must be 'arguments' or 'parameters', not {state_storage!r}")
-    flags: list[str] = []
-    for n in names:
-        w = WORKAROUNDS[n]
-        if w.rewrite is not None:
-            text = w.rewrite(text)
-        flags += list(w.flags)
-    source: str | bytes = text
+
+    def build(names):
+        f = fun
+        for n in names:
+            if WORKAROUNDS[n].fun_rewrite is not None:
+                f = WORKAROUNDS[n].fun_rewrite(f, flat_avals)
+        text = export_stablehlo(f, flat_avals)
+        flags: list[str] = []
+        for n in names:
+            w = WORKAROUNDS[n]
+            if w.rewrite is not None:
+                text = w.rewrite(text)
+            flags += list(w.flags)
+        source: str | bytes = text
+        if state_storage == "parameters":
+            source = wrap_state_as_parameters(text, inputs, outputs, parameter_scope, bytecode=True)
+        return text, flags, source
+
     if state_storage == "parameters":
-        source = wrap_state_as_parameters(text, inputs, outputs, parameter_scope, bytecode=True)
         bind = False
+    text, flags, source = build(names)
     t0 = time.perf_counter()
-    vmfb = compile_stablehlo(source, t, extra_flags=flags)
+    try:
+        vmfb = compile_stablehlo(source, t, extra_flags=flags)
+    except IreeCompileError as e:
+        # a known failure whose fix is too costly for every program: compile once more with it
+        retry = [w.name for w in WORKAROUNDS.values() if w.retry and w.name not in names
+                 and t.backend in w.applies_to and w.symptom in e.diagnostics]
+        if not retry:
+            raise
+        names = names + retry
+        text, flags, source = build(names)
+        vmfb = compile_stablehlo(source, t, extra_flags=flags)
     dt = time.perf_counter() - t0
     meta = ModuleMetadata(
         inputs=inputs,

@@ -278,3 +278,37 @@ def dot_operands_behind_barrier(fun: Callable, flat_avals: Sequence[Any]) -> Cal
             from_inputs.clear()
 
     return rewritten
+
+
+def _unrolled(eqn, invals):
+    """A ``scan`` equation bound fully unrolled (its body, and the scans in it, too)."""
+    if eqn.primitive is not J.P.scan_p:
+        return None
+    body = J.retrace(eqn.params["jaxpr"], _unrolled)
+    params = dict(eqn.params, jaxpr=body, unroll=eqn.params["length"])
+    return J.P.scan_p.bind(*invals, **params)
+
+
+def unroll_scans(fun: Callable, flat_avals: Sequence[Any]) -> Callable:
+    """``fun`` with every ``lax.scan`` fully unrolled: no loop left in the program.
+
+    The values are the same (each iteration's operations, in order); the
+    program grows with the trip counts, so IREE takes longer to compile it.
+
+    Example:
+        >>> import numpy as np
+        >>> def f(x):
+        ...     return jax.lax.scan(lambda c, v: (c * v, c), x, np.arange(1.0, 4.0, dtype=np.float32))[0]
+        >>> x = np.float32(2.0)
+        >>> g = unroll_scans(f, [x])
+        >>> float(g(x)), "while" in str(jax.jit(g).lower(x).as_text())
+        (12.0, False)
+    """
+    avals = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in flat_avals]
+    closed = jax.make_jaxpr(fun)(*avals)
+    out_tree = jax.tree.structure(jax.eval_shape(fun, *avals))
+
+    def rewritten(*args):
+        return jax.tree.unflatten(out_tree, J.eval_jaxpr_with(closed.jaxpr, closed.consts, args, _unrolled))
+
+    return rewritten

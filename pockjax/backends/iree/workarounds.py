@@ -36,6 +36,9 @@ class Workaround:
         this one (a workaround for a failure that only that flag brings).
       default: applied by default where it applies; ``False`` for an
         alternative that is only applied when named.
+      retry: applied after a failure with its symptom where it applies:
+        :func:`pockjax.backends.iree.compile_flat` compiles once more with it
+        (for a fix too costly to apply to every program).
     """
 
     name: str
@@ -47,6 +50,7 @@ class Workaround:
     why: str = ""
     requires_flag: str | None = None
     default: bool = True
+    retry: bool = False
 
 
 WORKAROUNDS: dict[str, Workaround] = {}
@@ -175,6 +179,28 @@ _register(
             "unfenced, so the packing of a frozen weight in an immutable global can be hoisted to "
             "load time. IREE's stream scheduling turns each barrier into a host-side wait between "
             "command buffers (0.4 s of idle time per SmolLM2 paper step), so the flag is the default."
+        ),
+    )
+)
+
+
+_register(
+    Workaround(
+        name="unroll-scans",
+        symptom="circular dependency: input operation uses partition output",
+        applies_to=("llvm-cpu", "vmvx", "vulkan-spirv", "cuda"),
+        fun_rewrite=_rewrites.unroll_scans,
+        default=False,
+        retry=True,
+        why=(
+            "IREE 3.13 fails to partition the backward of a lax.scan whose body reads a value from "
+            "outside the loop (an RNN's shared weight, a bias closed over): the loop accumulates that "
+            "value's gradient in its carry, and stream partitioning reports 'circular dependency: "
+            "input operation uses partition output' (plain jax.jit's StableHLO fails the same way, "
+            "flags do not help). A scan over stacked weights (a scanned stack of layers) compiles. "
+            "Unrolling every scan (pockjax.backends.iree.rewrites.unroll_scans) leaves no loop to "
+            "partition: the same values, a longer compile. Too costly for every program, it is "
+            "applied on a retry after the failure."
         ),
     )
 )
