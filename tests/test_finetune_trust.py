@@ -456,3 +456,50 @@ def test_resume_accepts_a_held_out_loss_recorded_as_null(run4, tmp_path):
     resumed = json.load(open(os.path.join(out, "metrics.json")))
     assert resumed["val_losses"][0] == [2, None] and len(resumed["losses"]) == 6
     assert open(os.path.join(out, "metrics.csv")).read().splitlines()[2].endswith(",")  # step 2: no held-out value
+
+
+def _damage(path, how):
+    data = bytearray(open(path, "rb").read())
+    if how == "truncate":
+        data = data[: len(data) // 2]
+    else:  # 64 bytes inside the data overwritten
+        i = len(data) // 3
+        data[i:i + 64] = bytes((7 * k + 1) % 256 for k in range(64))
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+@pytest.mark.parametrize("name, how", [("state/opt_state.npz", "truncate"), ("state/opt_state.npz", "overwrite"),
+                                       ("model.safetensors", "overwrite")])
+def test_resume_refuses_a_damaged_array_file(run4, tmp_path, name, how):
+    # A truncated opt_state.npz crashed with zipfile.BadZipFile; bytes overwritten inside
+    # model.safetensors were trained on (embedding rows of 1e36). The run records the
+    # sha256 of the files --resume reads, and checks them.
+    out = str(tmp_path / "run")
+    shutil.copytree(run4, out)
+    trainer = json.load(open(os.path.join(out, "state", "trainer.json")))
+    assert set(trainer["sha256"]) == {"model.safetensors", "state/opt_state.npz"}
+    _damage(os.path.join(out, name), how)
+    with pytest.raises(FinetuneError, match=f"cannot resume from .*{name}.* is not the file this run wrote"):
+        finetune(cfg(out=out, resume=True, steps=6), **QUIET)
+
+
+def test_resume_without_digests_still_refuses_a_broken_or_mistyped_state(run4, tmp_path):
+    # a run written before the digests: the zip and the dtypes are checked on their own
+    out = str(tmp_path / "run")
+    shutil.copytree(run4, out)
+    tj = os.path.join(out, "state", "trainer.json")
+    trainer = json.load(open(tj))
+    del trainer["sha256"]
+    json.dump(trainer, open(tj, "w"))
+    npz = os.path.join(out, "state", "opt_state.npz")
+    good = open(npz, "rb").read()
+    _damage(npz, "truncate")
+    with pytest.raises(FinetuneError, match="training state is unreadable \\(BadZipFile"):
+        finetune(cfg(out=out, resume=True, steps=6), **QUIET)
+    open(npz, "wb").write(good)
+    z = dict(np.load(npz))
+    z["leaf_0000"] = np.float32(2.7)  # the step count, an int32
+    np.savez(npz, **z)
+    with pytest.raises(FinetuneError, match="optimizer state leaf 0 in state/opt_state.npz is float32"):
+        finetune(cfg(out=out, resume=True, steps=6), **QUIET)

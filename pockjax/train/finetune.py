@@ -46,6 +46,7 @@ import resource
 import shutil
 import sys
 import time
+import zipfile
 from typing import Any, Callable
 
 import jax
@@ -390,8 +391,36 @@ def write_output(out: str, *, model: Any, tokenizer: Any, scheme: pockjax.Update
                  **{f"leaf_{i:04d}": np.asarray(x) for i, x in enumerate(leaves)})
         _json_dump({"step": int(step), "rng": np.asarray(rng).tolist(),
                     "opt_state_leaves": len(leaves),
-                    "opt_state_shapes": [list(np.shape(x)) for x in leaves]},
+                    "opt_state_shapes": [list(np.shape(x)) for x in leaves],
+                    "sha256": _resume_digests(tmp)},
                    os.path.join(tmp, "state", "trainer.json"))
+
+
+def _resume_files(directory: str) -> list[str]:
+    """The array files ``--resume`` reads back (relative paths): the weights, adapters and optimizer state."""
+    found = []
+    for sub in ("", "state"):
+        folder = os.path.join(directory, sub)
+        if os.path.isdir(folder):
+            found += [os.path.join(sub, n) if sub else n for n in sorted(os.listdir(folder))
+                      if n.endswith(".safetensors") or n == "opt_state.npz"]
+    return found
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _resume_digests(directory: str) -> dict[str, str]:
+    """``{relative path: sha256}`` of :func:`_resume_files`: ``--resume`` checks them, so that a
+    damaged weight file is refused rather than trained on (its values can be any float)."""
+    return {rel: _sha256(os.path.join(directory, rel)) for rel in _resume_files(directory)}
 
 
 def _host_float(x: Any) -> np.ndarray:
@@ -503,9 +532,18 @@ def _read_state(out: str) -> tuple[dict, list[np.ndarray]]:
         n = trainer.get("opt_state_leaves")
         if type(n) is not int or n < 0 or type(trainer.get("step")) is not int:
             raise ValueError(f"{tj} lacks an integer step and opt_state_leaves")
+        digests = trainer.get("sha256", {})  # absent in a run written before 2026-11-27
+        if not isinstance(digests, dict):
+            raise ValueError(f"{tj}: sha256 is not a mapping of file names to digests")
+        for rel, digest in sorted(digests.items()):
+            if ".." in rel.split(os.sep) or os.path.isabs(rel):
+                raise ValueError(f"{tj}: sha256 names a file outside the run: {rel!r}")
+            if _sha256(os.path.join(out, rel)) != digest:
+                raise ValueError(f"{os.path.join(out, rel)} is not the file this run wrote (its sha256"
+                                 " differs from the one recorded in state/trainer.json): it is damaged")
         with np.load(npz, allow_pickle=False) as z:  # never unpickle
             leaves = [z[f"leaf_{i:04d}"] for i in range(n)]
-    except (OSError, KeyError, ValueError, EOFError, pockjax.PockjaxError) as e:
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, pockjax.PockjaxError) as e:
         raise FinetuneError(f"cannot resume from {out}: its training state is unreadable"
                             f" ({type(e).__name__}: {e})") from None
     return trainer, leaves
@@ -928,6 +966,16 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         if shapes != [list(np.shape(x)) for x in leaves]:
             raise FinetuneError(f"cannot resume from {out}: the saved optimizer state does not"
                                 f" match the scheme and optimizer")
+        # a leaf of another dtype (a float step count, float16 moments) would be cast without a
+        # word, and a NaN in an integer leaf cast to garbage: check before converting
+        for k, (v, ref) in enumerate(zip(leaves, opt_state.leaves)):
+            if np.dtype(v.dtype) != np.dtype(ref.dtype):
+                raise FinetuneError(f"cannot resume from {out}: optimizer state leaf {k} in"
+                                    f" state/opt_state.npz is {v.dtype}, the optimizer keeps it as"
+                                    f" {np.dtype(ref.dtype).name}: the file was not written by this run")
+        bad = first_non_finite(opt_state=list(leaves))
+        if bad:
+            raise NonFiniteError(f"cannot resume from {out}: its optimizer state is not finite ({bad})")
         opt_state = jax.tree_util.tree_unflatten(
             jax.tree.structure(opt_state),
             [jnp.asarray(v, dtype=ref.dtype) for v, ref in zip(leaves, opt_state.leaves)])
@@ -939,9 +987,6 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
             raise FinetuneError(f"cannot resume from {out}: its metrics (step {metrics.get('step')},"
                                 f" {len(metrics.get('losses', ()))} losses) disagree with its"
                                 f" training state (step {start})")
-        bad = first_non_finite(opt_state=opt_state.leaves)
-        if bad:
-            raise NonFiniteError(f"cannot resume from {out}: its optimizer state is not finite ({bad})")
     else:
         opt_state = pockjax.init_opt_state(tx, params, scheme)
         start = 0
