@@ -643,11 +643,15 @@ class CompiledFunction:
             return args, []
         if self.scheme is None:
             raise StepSignatureError(f"{name}: a SparseOptState needs the step to be compiled with a scheme")
+        linen = isinstance(args[0], Mapping) and "params" in args[0]
         for state in found:
             if state.layout.scheme != self.scheme:
+                hint = (" (this step takes a Linen variables dict, so the scheme names its parameters"
+                        " params.…: pockjax.init_opt_state(tx, variables['params'], scheme, prefix='params'))"
+                        if linen else "")
                 raise StepSignatureError(
                     f"{name}: the SparseOptState was initialised for another scheme than the step's; "
-                    "make it with pockjax.init_opt_state(tx, params, scheme) using the same scheme"
+                    f"make it with pockjax.init_opt_state(tx, params, scheme) using the same scheme{hint}"
                 )
         full = jax.tree.map(lambda x: x.full_abstract() if is_sparse(x) else x, args, is_leaf=is_sparse)
         return full, found

@@ -123,6 +123,24 @@ def test_batch_stats_update_under_every_scheme_as_jit_does():
     np.testing.assert_array_equal(out[1][0].mu["Dense_0"]["kernel"], args[1][0].mu["Dense_0"]["kernel"])
 
 
+def test_a_linen_variables_step_takes_a_sparse_state_made_with_the_prefix():
+    # The step names its parameters params.Dense_1.kernel, the optimizer updates
+    # variables["params"]: no scheme served both compile and init_opt_state.
+    model, tx = _BNNet(), optax.adam(1e-2)
+    variables, full_state, x, y = _variables_args(model, tx)
+    scheme = pockjax.UpdateScheme({"params.Dense_1.*": "full"})
+    sparse = pockjax.init_opt_state(tx, variables["params"], scheme, prefix="params")
+    assert len(sparse.leaves) == 5  # count, and mu and nu of Dense_1's kernel and bias
+    step = pockjax.compile(_variables_step(model, tx), scheme=scheme, donate=False)
+    with_full = step(variables, full_state, x, y)
+    with_sparse = step(variables, sparse, x, y)
+    for a, b in zip(jax.tree.leaves(with_full[0]), jax.tree.leaves(with_sparse[0])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    bare = pockjax.init_opt_state(tx, variables["params"], pockjax.UpdateScheme({"Dense_1.*": "full"}))
+    with pytest.raises(pockjax.StepSignatureError, match="prefix='params'"):
+        step(variables, bare, x, y)
+
+
 def test_scheme_naming_model_state_is_an_error():
     model, tx = _BNNet(), optax.sgd(0.1)
     step = pockjax.compile(_variables_step(model, tx), scheme=pockjax.UpdateScheme({"batch_stats.**": "full"}))

@@ -72,8 +72,14 @@ class SparseOptState:
         return f"SparseOptState({kept}/{len(self.layout.modes)} leaves, {self.nbytes} bytes)"
 
 
-def init_opt_state(tx, params, scheme: UpdateScheme) -> SparseOptState:
+def init_opt_state(tx, params, scheme: UpdateScheme, *, prefix: str = "") -> SparseOptState:
     """``tx.init(params)`` restricted to what ``scheme`` trains.
+
+    ``prefix``: where ``params`` sit in the step's first argument, when the
+    scheme names them from there. A Flax Linen step that takes the whole
+    ``variables`` dict names its parameters ``params.dense.kernel`` while the
+    optimizer updates ``variables["params"]``:
+    ``init_opt_state(tx, variables["params"], scheme, prefix="params")``.
 
     Example:
         >>> import jax.numpy as jnp, optax, pockjax
@@ -90,7 +96,7 @@ def init_opt_state(tx, params, scheme: UpdateScheme) -> SparseOptState:
     full_leaves, full_def = jax.tree_util.tree_flatten(full)
     param_leaves = jax.tree.leaves(params)
     param_paths = leaf_paths(params)
-    rules = scheme.resolve(param_paths, [np.shape(p) for p in param_leaves])
+    rules = scheme.resolve([f"{prefix}.{p}" if prefix else p for p in param_paths], [np.shape(p) for p in param_leaves])
     for path, p, rule in zip(param_paths, param_leaves, rules):
         if isinstance(p, jax.ShapeDtypeStruct) and not isinstance(rule, Frozen):
             raise quant.QuantizationError(
