@@ -407,20 +407,10 @@ def _resume_files(directory: str) -> list[str]:
     return found
 
 
-def _sha256(path: str) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _resume_digests(directory: str) -> dict[str, str]:
     """``{relative path: sha256}`` of :func:`_resume_files`: ``--resume`` checks them, so that a
     damaged weight file is refused rather than trained on (its values can be any float)."""
-    return {rel: _sha256(os.path.join(directory, rel)) for rel in _resume_files(directory)}
+    return {rel: file_sha256(os.path.join(directory, rel)) for rel in _resume_files(directory)}
 
 
 def _host_float(x: Any) -> np.ndarray:
@@ -538,7 +528,7 @@ def _read_state(out: str) -> tuple[dict, list[np.ndarray]]:
         for rel, digest in sorted(digests.items()):
             if ".." in rel.split(os.sep) or os.path.isabs(rel):
                 raise ValueError(f"{tj}: sha256 names a file outside the run: {rel!r}")
-            if _sha256(os.path.join(out, rel)) != digest:
+            if file_sha256(os.path.join(out, rel)) != digest:
                 raise ValueError(f"{os.path.join(out, rel)} is not the file this run wrote (its sha256"
                                  " differs from the one recorded in state/trainer.json): it is damaged")
         with np.load(npz, allow_pickle=False) as z:  # never unpickle
