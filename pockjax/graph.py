@@ -19,7 +19,7 @@ import numpy as np
 
 from pockjax import _compat as C
 from pockjax import tags
-from pockjax._src.jaxpr import contains
+from pockjax._src.jaxpr import contains, subjaxprs
 from pockjax.errors import PockjaxError, StepSignatureError, some
 from pockjax.paths import leaf_paths
 
@@ -356,11 +356,18 @@ def _updated_by_own_state(jaxpr, ungraded: set, in_roles, in_paths, shapes, cand
             label[jaxpr.invars[i]] = frozenset({cand_idx[m]})
     if not label:
         return set()
+    # Elementwise only: a label passes to an output of its value's shape. A reduction over
+    # all the updates (clip_by_global_norm, apply_if_finite's check) would otherwise carry
+    # every leaf's label into every update, and an EMA of the new weights would look
+    # updated by its own state.
     for e in jaxpr.eqns:
-        got = frozenset().union(*(label.get(v, frozenset()) for v in e.invars if not isinstance(v, C.Literal)))
-        if got:
-            for v in e.outvars:
-                label[v] = got
+        if subjaxprs(e, strict=False):  # a loop or branch: not followed
+            continue
+        for o in e.outvars:
+            got = frozenset().union(*(label.get(v, frozenset()) for v in e.invars
+                                      if not isinstance(v, C.Literal) and v.aval.shape == o.aval.shape))
+            if got:
+                label[o] = got
     n_state_leaves = sum(per_arg_counts[:n_state_args])
     return {i for i, v in zip(range(n_state_leaves), jaxpr.outvars)
             if i in ungraded and not isinstance(v, C.Literal) and i in label.get(v, frozenset())}
@@ -552,7 +559,9 @@ def inline_calls(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
             body = eqn.params[core.CALL_BODY[eqn.primitive]]
             inner = body.jaxpr if hasattr(body, "jaxpr") else body
             consts = list(body.consts) if hasattr(body, "consts") else []
-            return core.eval_jaxpr_with(inner, consts, invals, rule)
+            # under the call's own name stack: an inlined equation of a backward pass stays one
+            with C.source_context(eqn):
+                return core.eval_jaxpr_with(inner, consts, invals, rule)
         return None
 
     return core.retrace(closed, rule)

@@ -199,3 +199,18 @@ def test_a_scan_reading_a_shared_weight_compiles_on_iree():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
     module = iree.lower(params, pockjax.init_opt_state(tx, params, scheme), x, y, xs).compile().executable.exe
     assert "unroll-scans" in module.metadata.target["workarounds"]
+
+
+def test_a_python_number_that_would_change_value_is_refused():
+    # the compiled step traces a new signature for a float where an int was traced (as jax.jit
+    # does); called with the module's own signature, the float is refused, not truncated
+    from pockjax.backends.iree.executable import _python_scalar_as
+    from pockjax.runtime.metadata import InputError, TensorSpec
+
+    count = TensorSpec(name="state.step", shape=(), dtype="int32", role="state")
+    assert _python_scalar_as(count, 3).dtype == np.int32
+    assert _python_scalar_as(TensorSpec(name="lr", shape=(), dtype="float32", role="input"), 1).dtype == np.float32
+    with pytest.raises(InputError, match="'state.step' was traced as int32, but the call passes the Python float 1.7"):
+        _python_scalar_as(count, 1.7)
+    with pytest.raises(InputError, match="Python complex"):
+        _python_scalar_as(TensorSpec(name="lr", shape=(), dtype="float32", role="input"), 1j)

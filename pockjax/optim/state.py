@@ -144,10 +144,10 @@ def init_opt_state(tx, params, scheme: UpdateScheme, *, prefix: str = "") -> Spa
         expected = slicing.sliced_shape(mode, aval.shape) if isinstance(mode, ChannelSelect) else aval.shape
         if tuple(np.shape(value)) != tuple(expected):
             owner = (f" (the state of {param_paths[mapping[k]]!r}, ruled {rules[mapping[k]]})"
-                     if mapping[k] is not None else "")
+                     if mapping[k] is not None else " (shared by several parameters)")
             raise SchemeError(
                 f"optimizer state {state_paths[k]!r}{owner} comes out of tx.init with shape"
-                f" {tuple(np.shape(value))} for the trained channels, where the scheme's layout needs"
+                f" {tuple(np.shape(value))} once the channels rules slice the parameters, where the scheme's layout needs"
                 f" {tuple(expected)}: this optimizer's state is not elementwise in the parameters (a factored"
                 " second moment, as optax.adafactor keeps), so it cannot be kept channel by channel. Initialise"
                 " the full state with tx.init(params), or train that parameter in full"

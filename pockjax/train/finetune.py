@@ -959,6 +959,8 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         # a leaf of another dtype (a float step count, float16 moments) would be cast without a
         # word, and a NaN in an integer leaf cast to garbage: check before converting
         for k, (v, ref) in enumerate(zip(leaves, opt_state.leaves)):
+            if v.dtype.kind == "V" and v.dtype.itemsize == np.dtype(ref.dtype).itemsize:
+                leaves[k] = v = v.view(ref.dtype)  # np.savez keeps bfloat16 as raw 2-byte records
             if np.dtype(v.dtype) != np.dtype(ref.dtype):
                 raise FinetuneError(f"cannot resume from {out}: optimizer state leaf {k} in"
                                     f" state/opt_state.npz is {v.dtype}, the optimizer keeps it as"

@@ -192,27 +192,28 @@ def _untagged_gradient_outputs(graph: TrainGraph) -> list[int]:
     it). Equations holding nested jaxprs count as their outer equation only
     (a gradient inside a loop is :func:`_refuse_hidden_gradients`' part).
     Returns the input indices of parameters (and of float leaves passed as
-    parameters that the step never differentiates) whose output, or any of
-    the optimizer state's outputs, holds an untagged value.
+    parameters that the step never differentiates) and optimizer-state
+    leaves whose output holds an untagged value.
     """
     jaxpr = graph.jaxpr
     untagged: set = set()
     for e in jaxpr.eqns:
         if e.primitive is tags.grad_tag_p:
             continue
-        if (_interp.phase(e) == _interp.Phase.BACKWARD
-                or any(not isinstance(v, C.Literal) and v in untagged for v in e.invars)):
+        phase = _interp.phase(e)
+        # A forward pass computes values, not gradients: the loss at an adversarial batch
+        # x + eps * sign(grad_x) is a value (reduce_on_plateau may read it), and the
+        # gradients taken at that batch are tagged.
+        if phase == _interp.Phase.BACKWARD or (
+                phase != _interp.Phase.FORWARD
+                and any(not isinstance(v, C.Literal) and v in untagged for v in e.invars)):
             untagged.update(v for v in e.outvars if not isinstance(v, C.DropVar))
     if not untagged:
         return []
     watched = set(graph.inputs_with_role(PARAM)) | set(graph.ungraded)
-    opt_state = any(r == OPT_STATE and v in untagged for v, r in zip(jaxpr.outvars, graph.out_roles)
-                    if not isinstance(v, C.Literal))
-    hit = [i for v, i in zip(jaxpr.outvars, graph.out_to_in)
-           if i in watched and not isinstance(v, C.Literal) and v in untagged]
-    if opt_state and not hit:
-        hit = sorted(watched)
-    return hit
+    return [i for v, i, r in zip(jaxpr.outvars, graph.out_to_in, graph.out_roles)
+            if i is not None and (i in watched or r == OPT_STATE) and not isinstance(v, C.Literal)
+            and v in untagged]
 
 
 def _refuse_untagged_gradients(graph: TrainGraph, scheme: UpdateScheme, idx, resolved) -> None:
@@ -232,7 +233,7 @@ def _refuse_untagged_gradients(graph: TrainGraph, scheme: UpdateScheme, idx, res
     if not hit:
         return
     raise SchemeError(
-        f"{graph.step_name} updates {some([graph.in_paths[i] for i in hit])} with a gradient taken at a value"
+        f"{graph.step_name} updates {some([graph.in_paths[i] for i in hit])} from a gradient taken at a value"
         " computed from the parameters (such as SAM's perturbed point p + rho * g / |g|, p.astype(jnp.bfloat16)"
         " or p + 0), not at the parameters themselves, so pockjax cannot see which of its entries the scheme"
         " freezes: they would be computed and would count in every reduction over the gradients"

@@ -39,6 +39,17 @@ def _is_python_scalar(a) -> bool:
     return isinstance(a, (bool, int, float, complex)) and not isinstance(a, np.generic)
 
 
+def _python_scalar_as(spec, a) -> np.ndarray:
+    """A Python number in the input's traced dtype, refused where that would change its value
+    (a float into an integer input, a complex into a real one), which ``jax.jit`` would trace anew."""
+    kind = np.dtype(spec.dtype).kind
+    if (isinstance(a, complex) and kind != "c") or (isinstance(a, float) and kind in "biu"):
+        raise InputError(f"input {spec.name!r} was traced as {spec.dtype}, but the call passes the Python"
+                         f" {type(a).__name__} {a!r}: pass a number of the traced kind, or compile the step"
+                         " again for the new argument")
+    return np.asarray(a, dtype=spec.dtype)
+
+
 @dataclass
 class CompiledModule:
     """A compiled ``.vmfb`` plus everything needed to run or export it.
@@ -133,7 +144,7 @@ class IreeExecutable(StatefulModule):
             raise InputError(f"expected {len(meta.inputs)} flat inputs, got {len(flat_args)}")
         # A Python number (TrainState.create's step=0, a learning rate) takes the traced dtype,
         # as jax.jit gives it a weak type; numpy would make it int64 / float64.
-        flat_args = [np.asarray(a, dtype=spec.dtype) if _is_python_scalar(a) else a
+        flat_args = [_python_scalar_as(spec, a) if _is_python_scalar(a) else a
                      for a, spec in zip(flat_args, meta.inputs)]
         for i in meta.state_inputs:
             a = flat_args[i]

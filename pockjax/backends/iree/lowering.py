@@ -222,8 +222,9 @@ def compile_flat(
       state_outputs: ``{output_index: state_input_index}``; default: the
         first outputs replace the state inputs in order.
       input_names, output_names: names for metadata and errors.
-      workarounds: ``"default"`` (those registered for the target's backend),
-        ``None``/``()`` (none) or a list of names from :data:`WORKAROUNDS`.
+      workarounds: ``"default"`` (those registered for the target's backend,
+        and after a failure with the symptom of a ``retry`` one, that one
+        too), ``None``/``()`` (none) or a list of names from :data:`WORKAROUNDS`.
       extra: free-form metadata (pytree structure, scheme...).
       bind: return an :class:`IreeExecutable` on this machine's device; with
         ``False`` (or for targets this process cannot run) return the
@@ -286,7 +287,7 @@ def compile_flat(
     except IreeCompileError as e:
         # a known failure whose fix is too costly for every program: compile once more with it
         retry = [w.name for w in WORKAROUNDS.values() if w.retry and w.name not in names
-                 and t.backend in w.applies_to and w.symptom in e.diagnostics]
+                 and t.backend in w.applies_to and w.symptom in e.diagnostics] if workarounds == "default" else []
         if not retry:
             raise
         names = names + retry
