@@ -528,6 +528,8 @@ def _read_state(out: str) -> tuple[dict, list[np.ndarray]]:
         for rel, digest in sorted(digests.items()):
             if ".." in rel.split(os.sep) or os.path.isabs(rel):
                 raise ValueError(f"{tj}: sha256 names a file outside the run: {rel!r}")
+            if not os.path.exists(os.path.join(out, rel)):
+                continue  # a missing file: its own reader says which, and what it holds
             if file_sha256(os.path.join(out, rel)) != digest:
                 raise ValueError(f"{os.path.join(out, rel)} is not the file this run wrote (its sha256"
                                  " differs from the one recorded in state/trainer.json): it is damaged")
