@@ -144,7 +144,7 @@ def init_opt_state(tx, params, scheme: UpdateScheme, *, prefix: str = "") -> Spa
         expected = slicing.sliced_shape(mode, aval.shape) if isinstance(mode, ChannelSelect) else aval.shape
         if tuple(np.shape(value)) != tuple(expected):
             owner = (f" (the state of {param_paths[mapping[k]]!r}, ruled {rules[mapping[k]]})"
-                     if mapping[k] is not None else " (shared by several parameters)")
+                     if mapping[k] is not None else "")
             raise SchemeError(
                 f"optimizer state {state_paths[k]!r}{owner} comes out of tx.init with shape"
                 f" {tuple(np.shape(value))} once the channels rules slice the parameters, where the scheme's layout needs"
