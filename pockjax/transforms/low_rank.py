@@ -132,6 +132,19 @@ class _Gradient:
 
 _SYMBOLIC = (_Adapted, _Gradient)
 
+#: Pin the rank-first order of the adapter-A gradient (see ``_adapter_grads``): None
+#: pins it when JAX's default backend is the CPU, where it pays, and not on a GPU, where
+#: it cost 0.4% and 2.7% of a llama-1b LoRA step in two runs on an H100 (20.71 against
+#: 20.64 ms, 20.58 against 20.02 ms). True and
+#: False force it; ``benchmarks/lora_barrier.py`` measures both.
+_RANK_FIRST_BARRIER: bool | None = None
+
+
+def _rank_first_barrier() -> bool:
+    if _RANK_FIRST_BARRIER is None:
+        return jax.default_backend() == "cpu"
+    return bool(_RANK_FIRST_BARRIER)
+
 
 # -- which values are only adapter gradients ------------------------------------------
 _GRAD_FLOW = frozenset({P.add_jaxvals_p, P.add_p, P.transpose_p, P.mul_p, P.neg_p, P.convert_element_type_p})
@@ -198,6 +211,7 @@ def _dot_with_adapted(eqn, x, v: _Adapted, x_is_lhs: bool):
 def _adapter_grads(g: _Gradient, a, b, scale):
     """``(s G b^T, s a^T G)`` with ``G = sum of terms``, never forming ``G``."""
     ga, gb = None, None
+    pin = _rank_first_barrier()
     for t in g.terms:
         # in G, rows come from P's free axis and columns from Q's (swapped if transposed)
         rows, cols, r_contract, c_contract = (t.p, t.q, t.p_contract, t.q_contract)
@@ -216,7 +230,7 @@ def _adapter_grads(g: _Gradient, a, b, scale):
         # ran its 118 adapter-A gradients at 19 GFLOP/s, 2% of the step.
         ta = jax.lax.dot_general(cb, rows, ((tuple(kept.index(i) for i in c_contract), tuple(r_contract)),
                                             ((), ())), precision=t.precision, preferred_element_type=dt)
-        ta = jax.lax.optimization_barrier(ta).T
+        ta = (jax.lax.optimization_barrier(ta) if pin else ta).T
         # a^T G: a . rows over m, then that . cols over the contracted axes
         ar = jax.lax.dot_general(rows, a, (((r_free,), (0,)), ((), ())), precision=t.precision,
                                  preferred_element_type=dt)  # (rows contracted axes..., r)
