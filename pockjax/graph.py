@@ -318,14 +318,50 @@ def step_name(step: Callable) -> str:
 
 def gradient_tag_indices(jaxpr) -> set[int]:
     """Indices of the parameters whose gradient carries a ``pockjax_grad_tag`` (any depth)."""
+    return _tag_indices(jaxpr, tags.grad_tag_p)
+
+
+def _tag_indices(jaxpr, primitive) -> set[int]:
     found: set[int] = set()
 
     def visit(eqn):
-        if eqn.primitive is tags.grad_tag_p:
+        if eqn.primitive is primitive:
             found.add(eqn.params["index"])
         return False
 
     contains(jaxpr, visit)
+    return found
+
+
+def _updated_from_itself(jaxpr, leaves: set, in_roles, n_state_leaves: int) -> set[int]:
+    """Of ``leaves`` (differentiated inputs with no gradient tag), those the optimizer updates.
+
+    Such a leaf is in the tree a ``jax.grad`` linearized (it has a parameter
+    tag), but the loss does not read it, so its gradient is a zero autodiff
+    leaves untagged. A stateless optimizer with weight decay
+    (``chain(add_decayed_weights(wd), sgd(lr))``) still moves it, reading
+    nothing but the leaf itself, constants, optimizer state and scalars (a
+    learning rate, a global norm): then it is a parameter, and a scheme that
+    freezes it keeps it. A value the step's own rule mixes in (an EMA of the
+    new weights, a batch statistic) makes it model state, updated as the
+    step computes it. Loops and branches count as one equation.
+    """
+    if not leaves:
+        return set()
+    allowed = {i for i, r in enumerate(in_roles) if r == OPT_STATE}
+    sources: dict = {}
+    for i, v in enumerate(jaxpr.invars):
+        sources[v] = frozenset() if i in allowed else frozenset({i})
+    for e in jaxpr.eqns:
+        got = frozenset().union(*(sources.get(v, frozenset()) for v in e.invars if not isinstance(v, C.Literal)))
+        for o in e.outvars:
+            # a scalar is a hyperparameter's kind of value: a learning rate, a norm, a finiteness check
+            sources[o] = frozenset() if not o.aval.shape else got
+    found = set()
+    for i, v in zip(range(n_state_leaves), jaxpr.outvars):
+        if i in leaves and not isinstance(v, C.Literal) and v is not jaxpr.invars[i] \
+                and sources.get(v, frozenset()) <= {i}:
+            found.add(i)
     return found
 
 
@@ -477,6 +513,10 @@ def trace_step(
     # freezes it must then keep it, as PyTorch's requires_grad=False does).
     driven = _updated_by_own_state(closed.jaxpr, set(ungraded), in_roles, in_paths, [a.shape for a in avals],
                                    candidates, out_tree, n_state_args, per_arg_counts)
+    # ... or, under a stateless optimizer, its weight decay alone moves it
+    linearized = _tag_indices(closed.jaxpr, tags.param_tag_p)
+    driven |= _updated_from_itself(closed.jaxpr, {i for i in ungraded if i in linearized and i not in driven},
+                                   in_roles, sum(per_arg_counts[:n_state_args]))
     differentiated = set(differentiated) | driven
     ungraded = tuple(i for i in ungraded if i not in driven)
     in_roles = [MODEL_STATE if r == PARAM and i not in differentiated else r for i, r in enumerate(in_roles)]

@@ -725,12 +725,17 @@ def test_an_nnx_model_and_optimizer_keeps_the_models_paths():
     assert any(r == "opt_state" for r in lowered.traced.in_roles)
 
 
-def test_a_frozen_parameter_the_loss_does_not_read_stays_frozen():
+@pytest.mark.parametrize("tx", [optax.adamw(1e-1, weight_decay=0.5),
+                                optax.chain(optax.add_decayed_weights(0.5), optax.sgd(0.1)),
+                                optax.chain(optax.add_decayed_weights(0.5), optax.clip_by_global_norm(1.0),
+                                            optax.sgd(0.1))],
+                         ids=["adamw", "decay-sgd", "decay-clip-sgd"])
+def test_a_frozen_parameter_the_loss_does_not_read_stays_frozen(tx):
     # Its gradient is a zero autodiff leaves untagged, so pockjax took it for model state:
     # AdamW's weight decay moved the frozen 'b' (1.0 -> 0.95 in a step), and the state of
     # pockjax.init_opt_state did not fit the step. It is a parameter (its own optimizer state
-    # updates it): frozen, it stays; trained, it decays as under jax.jit.
-    tx = optax.adamw(1e-1, weight_decay=0.5)
+    # updates it; under a stateless optimizer, its decay alone, reading nothing but itself and
+    # scalars): frozen, it stays; trained, it decays as under jax.jit.
 
     def step(params, opt_state, x):
         loss, g = jax.value_and_grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"])))(params)
@@ -739,20 +744,47 @@ def test_a_frozen_parameter_the_loss_does_not_read_stays_frozen():
 
     params = {"w": jnp.full((8, 8), 0.1), "b": jnp.ones((8, 4))}
     x = jnp.ones((2, 8))
-    rp, rs = jax.tree.map(jnp.copy, params), tx.init(params)
-    for _ in range(2):
-        rp, rs, _ = jax.jit(step)(rp, rs, x)
-    for rules, b_trained in (({"w": "full"}, False), ({"w": "full", "b": "full"}, True)):
+
+    def reference(keep_b):  # jax.jit, a frozen 'b' put back after each step (its gradient is zero)
+        p, s = jax.tree.map(jnp.copy, params), tx.init(params)
+        for _ in range(2):
+            p, s, _ = jax.jit(step)(p, s, x)
+            p = {**p, "b": params["b"]} if keep_b else p
+        return p
+
+    trained, frozen = reference(False), reference(True)
+    for rules, want in (({"w": "full"}, frozen), ({"w": "full", "b": "full"}, trained)):
         scheme = pockjax.UpdateScheme(rules)
         for state in (tx.init(params), pockjax.init_opt_state(tx, params, scheme)):
             p, s = jax.tree.map(jnp.copy, params), state
             f = pockjax.compile(step, scheme=scheme)
             for _ in range(2):
                 p, s, _ = f(p, s, x)
-            np.testing.assert_allclose(np.asarray(p["w"]), np.asarray(rp["w"]), atol=1e-6)
-            want = rp["b"] if b_trained else params["b"]
-            np.testing.assert_allclose(np.asarray(p["b"]), np.asarray(want), atol=1e-6)
-    assert float(rp["b"][0, 0]) < 0.95  # the check can tell: jit decays it
+            for k in ("w", "b"):
+                np.testing.assert_allclose(np.asarray(p[k]), np.asarray(want[k]), atol=1e-6)
+    assert float(trained["b"][0, 0]) < 0.995  # the check can tell: jit decays it
+
+
+def test_an_ema_in_the_params_stays_model_state_under_a_stateless_decaying_optimizer():
+    # the EMA leaf is differentiated too (a zero gradient) and decays, but its new value mixes
+    # in the new weights: the step's own rule, so model state, updated as jax.jit updates it
+    tx = optax.chain(optax.add_decayed_weights(0.5), optax.sgd(0.1))
+    params = {"w": jnp.full((4, 4), 0.1), "ema": jnp.full((4, 4), 0.1)}
+    x = jnp.ones((2, 4))
+
+    def step(params, s, x):
+        g = jax.grad(lambda q: jnp.sum(jnp.tanh(x @ q["w"])))(params)
+        u, s = tx.update(g, s, params)
+        new = optax.apply_updates(params, u)
+        return {"w": new["w"], "ema": 0.9 * new["ema"] + 0.1 * new["w"]}, s
+
+    traced = pockjax.trace_step(step, (params, tx.init(params), x))
+    assert dict(zip(traced.in_paths[:2], traced.in_roles[:2])) == {"ema": "model_state", "w": "param"}
+    got = pockjax.compile(step, scheme=pockjax.UpdateScheme({"w": "full"}))(
+        jax.tree.map(jnp.copy, params), tx.init(params), x)[0]
+    ref = jax.jit(step)(jax.tree.map(jnp.copy, params), tx.init(params), x)[0]
+    np.testing.assert_allclose(np.asarray(got["ema"]), np.asarray(ref["ema"]), atol=1e-7)
+    assert not np.array_equal(np.asarray(got["ema"]), np.asarray(params["ema"]))
 
 
 def test_sam_with_its_loss_under_jax_jit_is_refused_too():
