@@ -456,6 +456,18 @@ def _aliased_donation_message(name: str, args: Sequence) -> str:
             " and slow parameters), or compile with pockjax.compile(..., donate=False).")
 
 
+def _deleted_arrays_message(name: str, args: Sequence) -> str | None:
+    """Which arguments were donated to an earlier call (their buffers are gone), or None."""
+    gone = [f"args{jax.tree_util.keystr(k)}" for k, leaf in jax.tree_util.tree_flatten_with_path(args)[0]
+            if isinstance(leaf, jax.Array) and leaf.is_deleted()]
+    if not gone:
+        return None
+    return (f"{name}: {some(gone, quote=False)} {'was' if len(gone) == 1 else 'were'} donated to an earlier call of the"
+            " compiled step, whose memory now holds its results: pass the state that call returned"
+            " (params, opt_state = step(params, opt_state, batch)), a copy made before it (jnp.copy), or"
+            " compile with pockjax.compile(..., donate=False).")
+
+
 class CompiledFunction:
     """What :func:`compile` returns: a train step with the original signature."""
 
@@ -528,8 +540,13 @@ class CompiledFunction:
                 f" argument(s) {', '.join(sorted(kwargs))}: pass them positionally, in the step's order")
         try:
             return self._call(*args)
-        except jax.errors.JaxRuntimeError as e:
-            if "donate the same buffer twice" not in str(e) and "donate a buffer which is also used" not in str(e):
+        except (jax.errors.JaxRuntimeError, ValueError, RuntimeError) as e:
+            if "has been deleted" in str(e):
+                message = _deleted_arrays_message(step_name(self.step), args)
+                if message is not None:
+                    raise StepSignatureError(message) from None
+            if not isinstance(e, jax.errors.JaxRuntimeError) or (
+                    "donate the same buffer twice" not in str(e) and "donate a buffer which is also used" not in str(e)):
                 raise
             raise StepSignatureError(_aliased_donation_message(step_name(self.step), args)) from None
 

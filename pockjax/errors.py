@@ -107,8 +107,9 @@ class UnknownTaskError(PockjaxError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def some(items, limit: int = 4) -> str:
-    """The first ``limit`` of ``items`` for an error message (each as its repr), and how many more.
+def some(items, limit: int = 4, *, quote: bool = True) -> str:
+    """The first ``limit`` of ``items`` for an error message (each as its repr, or as
+    written with ``quote=False``), and how many more.
 
     Every message that names a list of paths, tensors or shapes goes through
     this, so that a model with thousands of them gets a readable line.
@@ -118,7 +119,9 @@ def some(items, limit: int = 4) -> str:
       "'a', 'b'"
       >>> some(range(7))
       '0, 1, 2, 3 and 3 more'
+      >>> some(["args[0]['w']"], quote=False)
+      "args[0]['w']"
     """
     items = list(items)
-    head = ", ".join(repr(x) for x in items[:limit])
+    head = ", ".join((repr if quote else str)(x) for x in items[:limit])
     return head + (f" and {len(items) - limit} more" if len(items) > limit else "")

@@ -262,21 +262,29 @@ def paper_blocks(n_layers: int, blocks: int | None = None) -> int:
     By default the last third of the blocks (rounded up), at least
     :data:`DEFAULT_BLOCKS`, and never more than the model has: the backward
     pass then stops a third of the way down in a deep model, and small models
-    keep the 10 blocks the fine-tuning results were measured with. An explicit
-    ``blocks`` is capped at the model's depth.
+    keep the 10 blocks the fine-tuning results were measured with.
 
     Raises:
-      SchemeError: ``blocks`` below 1.
+      SchemeError: an explicit ``blocks`` below 1, or above the model's depth
+        (it would train fewer blocks than asked).
 
     Example:
       >>> [paper_blocks(n) for n in (2, 12, 30, 32, 80)], paper_blocks(32, 4)
       ([2, 10, 10, 11, 27], 4)
+      >>> paper_blocks(30, 99)
+      Traceback (most recent call last):
+      ...
+      pockjax.errors.SchemeError: --blocks 99 is more than the model's 30 blocks: give at most 30 (all of them), or leave --blocks out for the default (10)
     """
+    default = min(max(DEFAULT_BLOCKS, math.ceil(n_layers / 3)), n_layers)
     if blocks is None:
-        blocks = max(DEFAULT_BLOCKS, math.ceil(n_layers / 3))
-    elif int(blocks) < 1:
+        return default
+    if int(blocks) < 1:
         raise SchemeError(f"--blocks must be at least 1, got {blocks}")
-    return min(int(blocks), n_layers)
+    if int(blocks) > n_layers:
+        raise SchemeError(f"--blocks {blocks} is more than the model's {n_layers} blocks: give at most"
+                          f" {n_layers} (all of them), or leave --blocks out for the default ({default})")
+    return int(blocks)
 
 
 # -- every family --------------------------------------------------------------------

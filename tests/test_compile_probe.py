@@ -845,3 +845,73 @@ def test_an_ema_in_the_params_stays_model_state_whatever_the_optimizer_couples(t
     ref = jax.jit(step)(jax.tree.map(jnp.copy, params), tx.init(params), x)[0]
     np.testing.assert_allclose(np.asarray(got["ema"]), np.asarray(ref["ema"]), atol=1e-7)
     assert not np.array_equal(np.asarray(got["ema"]), np.asarray(params["ema"]))
+
+
+def _per_example_step(tx, how, zero_a=False):
+    def loss(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["a"]) @ p["b"] - y) ** 2)
+
+    def step(params, opt_state, x, y):
+        if how == "vmap":
+            per = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(params, x[:, None], y[:, None])
+        else:  # jacrev of the per-example losses
+            per = jax.jacrev(lambda p: jax.vmap(loss, in_axes=(None, 0, 0))(p, x[:, None], y[:, None]))(params)
+        if zero_a:  # the reference: the frozen parameter's per-example gradients are zeros
+            per = {**per, "a": jnp.zeros_like(per["a"])}
+        # DP-SGD: each example's gradient clipped to norm 0.01, then averaged
+        norms = jnp.sqrt(sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1) for g in jax.tree.leaves(per)))
+        scale = jnp.minimum(1.0, 0.01 / norms)
+        grads = jax.tree.map(lambda g: jnp.mean(g * scale.reshape((-1,) + (1,) * (g.ndim - 1)), axis=0), per)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, norms
+
+    return step
+
+
+@pytest.mark.parametrize("how", ["vmap", "jacrev"])
+def test_per_example_gradients_of_a_frozen_parameter_are_zeros(how):
+    # The gradient tag of jax.vmap(jax.grad) holds a batch axis, and pockjax took it for a tag
+    # an earlier sparse_grad had sliced: the frozen 'a' kept its value, but its per-example
+    # gradients counted in each example's clipping norm, as if it trained (b: 0.4999560 against
+    # jax.jit's 0.4995670 with a's gradients zeroed).
+    params = {"a": jnp.full((4, 3), 0.1), "b": jnp.full((3, 1), 0.5)}
+    x = jnp.arange(16, dtype=jnp.float32).reshape(4, 4) / 10
+    y = jnp.ones((4, 1))
+    tx = optax.sgd(1.0)
+    scheme = pockjax.UpdateScheme({"b": "full"})
+    ref = jax.jit(_per_example_step(tx, how, zero_a=True))(jax.tree.map(jnp.copy, params), tx.init(params), x, y)
+    got = pockjax.compile(_per_example_step(tx, how), scheme=scheme)(
+        jax.tree.map(jnp.copy, params), pockjax.init_opt_state(tx, params, scheme), x, y)
+    unmasked = jax.jit(_per_example_step(tx, how))(jax.tree.map(jnp.copy, params), tx.init(params), x, y)
+    np.testing.assert_allclose(np.asarray(got[0]["b"]), np.asarray(ref[0]["b"]), atol=1e-7)
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(ref[2]), rtol=1e-6)  # the per-example norms
+    np.testing.assert_array_equal(np.asarray(got[0]["a"]), np.asarray(params["a"]))
+    assert float(jnp.abs(unmasked[0]["b"] - ref[0]["b"]).max()) > 1e-5  # the check can tell
+
+
+def test_a_channels_rule_on_per_example_gradients_is_refused():
+    params = {"a": jnp.full((4, 3), 0.1), "b": jnp.full((3, 1), 0.5)}
+    tx = optax.sgd(1.0)
+    scheme = pockjax.UpdateScheme({"a": pockjax.channels(1), "b": "full"})
+    with pytest.raises(pockjax.SchemeError, match=r"per-example gradients .* of 'a', which the scheme trains by a"
+                                                  r" channels rule.*jax.lax.map"):
+        pockjax.compile(_per_example_step(tx, "vmap"), scheme=scheme)(
+            params, tx.init(params), jnp.ones((4, 4)), jnp.ones((4, 1)))
+
+
+def test_state_donated_to_an_earlier_call_is_named():
+    # XLA's "Invalid buffer passed to Execute() as argument 2" named a flat index and no fix
+    tx = optax.adam(1e-2)
+
+    def step(p, s, x):
+        loss, g = jax.value_and_grad(lambda p: jnp.sum(jnp.tanh(x @ p["a"]) @ p["b"]))(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    scheme = pockjax.UpdateScheme({"b": "full"})
+    p, x = {"a": jnp.ones((4, 4)), "b": jnp.ones((4, 2))}, jnp.ones((2, 4))
+    f = pockjax.compile(step, scheme=scheme)
+    _, s1, _ = f(p, pockjax.init_opt_state(tx, p, scheme), x)
+    with pytest.raises(pockjax.StepSignatureError, match=r"args\[0\]\['b'\] was donated to an earlier call of the"
+                                                         r" compiled step.*pass the state that call returned"):
+        f(p, s1, x)

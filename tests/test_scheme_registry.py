@@ -50,9 +50,12 @@ def test_registry_names_and_depth_rule():
     assert tuple(SCHEMES) == scheme_names()  # pockjax.train.schemes shows the registry
     assert DEFAULT_BLOCKS == 10
     assert [paper_blocks(n) for n in (1, 2, 10, 24, 30, 32, 40, 80)] == [1, 2, 10, 10, 10, 11, 14, 27]
-    assert paper_blocks(32, 4) == 4 and paper_blocks(2, 10) == 2
+    assert paper_blocks(32, 4) == 4 and paper_blocks(2, 2) == 2
     with pytest.raises(SchemeError, match="at least 1"):
         paper_blocks(30, 0)
+    # once quietly capped: --blocks 10 on a 2-block model trained 2
+    with pytest.raises(SchemeError, match=r"--blocks 10 is more than the model's 2 blocks: give at most 2"):
+        paper_blocks(2, 10)
 
 
 @pytest.mark.parametrize("config", [SMOL, DEEP, llama.LlamaConfig.tiny()], ids=["smollm2", "llama2-7b", "tiny"])
@@ -148,3 +151,11 @@ def test_a_family_adds_its_schemes_without_touching_llama():
     finally:
         registry._FAMILIES.pop("vision-test", None)
         registry._SCHEMES.pop(("vision-test", "paper"), None)
+
+
+def test_more_blocks_than_the_model_has_is_one_line_error(capsys):
+    from pockjax.cli import main
+
+    assert main(["memory", "--model", "tiny", "--scheme", "paper", "--blocks", "99", "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pockjax memory: error: --blocks 99 is more than the model's 2 blocks") and err.count("\n") == 1

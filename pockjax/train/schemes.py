@@ -52,7 +52,7 @@ def llama_scheme(name: str, config: Any, *, blocks: int | None = None,
         JSON scheme file.
       config: The model's :class:`~pockjax.models.llama.LlamaConfig`.
       blocks: Last blocks trained by ``paper``/``channels`` (default
-        :func:`~pockjax.schemes.paper_blocks`, capped at the model's depth).
+        :func:`~pockjax.schemes.paper_blocks`; more than the model has is an error).
       fraction: Channel fraction of ``channels``.
 
     Raises:

@@ -460,7 +460,11 @@ def _plan_eqn(eqn, req: _Requests, rules: dict, param_shapes: dict) -> tuple:
 def _plan_grad_tag(eqn, out_demand, req: _Requests, rules: dict, param_shapes: dict) -> tuple:
     """A gradient tag: zero (frozen), the selected channels, or the gradient as is."""
     rule = rules.get(eqn.params["index"], Full())
-    if tuple(eqn.invars[0].aval.shape) != param_shapes.get(eqn.params["index"]):
+    if _per_example(eqn, param_shapes):
+        # jax.vmap of jax.grad: a frozen parameter's per-example gradients are zeros too
+        # (_refuse_per_example_channels has refused a channels rule)
+        pass
+    elif tuple(eqn.invars[0].aval.shape) != param_shapes.get(eqn.params["index"]):
         rule = Full()  # already sliced by an earlier sparse_grad: leave as is
     if isinstance(rule, Frozen):
         return ("zero",)
@@ -483,6 +487,32 @@ def _plan_remat_body(eqn, outs, req: _Requests, rules: dict, param_shapes: dict)
     for v in eqn.invars:
         req.add(v, None)
     return ("call_body", inner, modes, outs)
+
+
+def _per_example(eqn, param_shapes: dict) -> bool:
+    """Whether a gradient tag holds per-example gradients: ``jax.vmap`` (``jacrev``) batched it,
+    adding axes to the parameter's shape (a slice of an earlier ``sparse_grad`` keeps the rank)."""
+    shape = param_shapes.get(eqn.params["index"])
+    return shape is not None and len(eqn.invars[0].aval.shape) > len(shape)
+
+
+def _refuse_per_example_channels(graph: TrainGraph, rules: dict, param_shapes: dict) -> None:
+    """A channels rule cannot select the channels of per-example gradients (their axes moved)."""
+    hit = []
+
+    def visit(e):
+        if e.primitive is tags.grad_tag_p and _per_example(e, param_shapes) \
+                and isinstance(rules.get(e.params["index"]), ChannelSelect):
+            hit.append(graph.in_paths[e.params["index"]])
+        return False
+
+    _interp.contains(graph.jaxpr, visit)
+    if hit:
+        raise SchemeError(
+            f"{graph.step_name} takes per-example gradients (jax.vmap of jax.grad, or jax.jacrev) of"
+            f" {some(sorted(set(hit)))}, which the scheme trains by a channels rule: pockjax cannot select"
+            " channels of a batched gradient. Compute the per-example gradients with jax.lax.map"
+            " (one example at a time), or give these parameters a \"full\" or \"frozen\" rule.")
 
 
 def _check_sparse_state_use(graph: TrainGraph, req: _Requests, in_form: dict, dropped_inputs: set) -> None:
@@ -721,6 +751,7 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
 
     req = _seed_demands(graph, out_plan, dropped_inputs)
     param_shapes = {i: tuple(v.aval.shape) for i, v in enumerate(graph.jaxpr.invars)}
+    _refuse_per_example_channels(graph, rules, param_shapes)
     modes = _plan(graph.jaxpr.eqns, req, rules, param_shapes)
     _check_sparse_state_use(graph, req, in_form, dropped_inputs)
 

@@ -13,7 +13,7 @@ absent otherwise.
   N defaults to the last half of the layers, rounded up (:func:`encoder_blocks`;
   MiniLM-L6: 3 of 6, BERT-base: 6 of 12): LLaMA's default of at least 10
   blocks (:func:`pockjax.schemes.paper_blocks`) would train every layer of
-  these shallow encoders. ``--blocks`` sets N (capped at the depth).
+  these shallow encoders. ``--blocks`` sets N (at most the depth).
 * ``channels``: ``paper`` with :func:`pockjax.channels` (half the output
   channels by default) on the same kernels and biases; the head stays full.
 * ``bias-only``: every bias, the LayerNorm scales and the head (BitFit).
@@ -54,14 +54,14 @@ def encoder_blocks(n_layers: int, blocks: int | None = None) -> int:
     """How many of the last layers ``paper``, ``channels`` and ``last-blocks`` train.
 
     By default the last half of the layers (rounded up); an explicit ``blocks``
-    is capped at the depth (:func:`pockjax.schemes.paper_blocks`).
+    is checked by :func:`pockjax.schemes.paper_blocks`.
 
     Raises:
-        SchemeError: ``blocks`` below 1.
+        SchemeError: ``blocks`` below 1 or above the depth.
 
     Example:
-        >>> [encoder_blocks(n) for n in (1, 2, 6, 12, 24)], encoder_blocks(6, 10)
-        ([1, 1, 3, 6, 12], 6)
+        >>> [encoder_blocks(n) for n in (1, 2, 6, 12, 24)], encoder_blocks(6, 4)
+        ([1, 1, 3, 6, 12], 4)
     """
     if blocks is None:
         return max(1, math.ceil(n_layers / 2))

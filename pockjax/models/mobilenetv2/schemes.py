@@ -65,7 +65,8 @@ def expand_paper_blocks(config: MobileNetV2Config, blocks: int | None = None) ->
     have = config.expand_blocks()
     if not have:
         raise SchemeError("this MobileNetV2 has no block with an expand conv (every t is 1)")
-    return have[len(have) - paper_blocks(len(have), blocks):]
+    n = paper_blocks(len(have), None) if blocks is None else paper_blocks(config.n_blocks, blocks)
+    return have[len(have) - min(n, len(have)):]  # --blocks counts every block; the first has no expand
 
 
 def _paper_rules(chosen: list[int], rule: Any) -> list[tuple[str, Any]]:
