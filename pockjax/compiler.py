@@ -40,7 +40,8 @@ from pockjax import quant
 from pockjax.analysis import PruneSummary, summarize
 from pockjax.backends.xla import SignatureChanged, XlaExecutable
 from pockjax.errors import BackendError, StepSignatureError, some
-from pockjax.graph import MODEL_STATE, OPT_STATE, PARAM, TrainGraph, is_train_state, step_name, trace_step, unwrap_jit
+from pockjax.graph import (MODEL_STATE, OPT_STATE, PARAM, TrainGraph, is_linen_variables, is_train_state, step_name,
+                           trace_step, unwrap_jit)
 from pockjax.optim.state import SparseOptState
 from pockjax.paths import keypath_to_parts
 from pockjax.scheme import UpdateScheme
@@ -660,7 +661,7 @@ class CompiledFunction:
             return args, []
         if self.scheme is None:
             raise StepSignatureError(f"{name}: a SparseOptState needs the step to be compiled with a scheme")
-        linen = isinstance(args[0], Mapping) and "params" in args[0]
+        linen = is_linen_variables(args[0])
         for state in found:
             if state.layout.scheme != self.scheme:
                 hint = (" (this step takes a Linen variables dict, so the scheme names its parameters"

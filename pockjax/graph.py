@@ -250,6 +250,13 @@ def _avals(leaves):
     return [jax.ShapeDtypeStruct(np.shape(x), leaf_dtype(x)) for x in leaves]
 
 
+def is_linen_variables(x) -> bool:
+    """Whether ``x`` is a Linen ``variables`` dict (a mapping with a ``params`` collection):
+    its parameters' paths then start with ``params.``, and its other collections
+    (``batch_stats``) are model state."""
+    return isinstance(x, Mapping) and "params" in x
+
+
 def is_train_state(x) -> bool:
     """Whether ``x`` is a Flax ``TrainState`` (or a subclass, or a look-alike).
 
@@ -365,7 +372,7 @@ def _updated_from_itself(jaxpr, leaves: set, in_roles, n_state_leaves: int) -> s
     return found
 
 
-def _updated_by_own_state(jaxpr, ungraded: set, in_roles, in_paths, shapes, candidates, out_tree,
+def _updated_by_own_state(jaxpr, ungraded: set, in_roles, in_paths, shapes, candidates,
                           n_state_args: int, per_arg_counts) -> set[int]:
     """Of the ``ungraded`` inputs, those whose new value reads their own optimizer state.
 
@@ -503,7 +510,7 @@ def trace_step(
     # Float leaves that could have had a gradient pockjax did not see (TrainGraph.ungraded); a
     # Linen ``variables`` dict's other collections (batch_stats) are model state by design,
     # and an integer counter cannot have a gradient.
-    linen = isinstance(args[0], Mapping) and "params" in args[0]
+    linen = is_linen_variables(args[0])
     candidates = [in_paths[i] for i, r in enumerate(in_roles) if r == PARAM]
     ungraded = tuple(i for i, r in enumerate(in_roles) if r == PARAM and i not in differentiated
                      and not (linen and not in_paths[i].startswith("params."))
@@ -512,7 +519,7 @@ def trace_step(
     # gradient that autodiff leaves untagged, and AdamW's decay still moves it (a scheme that
     # freezes it must then keep it, as PyTorch's requires_grad=False does).
     driven = _updated_by_own_state(closed.jaxpr, set(ungraded), in_roles, in_paths, [a.shape for a in avals],
-                                   candidates, out_tree, n_state_args, per_arg_counts)
+                                   candidates, n_state_args, per_arg_counts)
     # ... or, under a stateless optimizer, its weight decay alone moves it
     linearized = _tag_indices(closed.jaxpr, tags.param_tag_p)
     driven |= _updated_from_itself(closed.jaxpr, {i for i in ungraded if i in linearized and i not in driven},

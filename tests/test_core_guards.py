@@ -139,6 +139,10 @@ def test_a_linen_variables_step_takes_a_sparse_state_made_with_the_prefix():
     bare = pockjax.init_opt_state(tx, variables["params"], pockjax.UpdateScheme({"Dense_1.*": "full"}))
     with pytest.raises(pockjax.StepSignatureError, match="prefix='params'"):
         step(variables, bare, x, y)
+    # the step's scheme without the prefix: its patterns match nothing, and the error says why
+    with pytest.raises(pockjax.UnmatchedPatternError, match=r"(?s)'params.Dense_1.\*' matches no parameter.*"
+                                                            r"prefix='params'"):
+        pockjax.init_opt_state(tx, variables["params"], scheme)
 
 
 def test_scheme_naming_model_state_is_an_error():

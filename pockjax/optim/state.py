@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from pockjax import quant
-from pockjax.errors import SchemeError
+from pockjax.errors import SchemeError, UnmatchedPatternError
 from pockjax.graph import optstate_param_map
 from pockjax.paths import leaf_paths
 from pockjax.scheme import ChannelSelect, Frozen, UpdateScheme
@@ -96,7 +96,18 @@ def init_opt_state(tx, params, scheme: UpdateScheme, *, prefix: str = "") -> Spa
     full_leaves, full_def = jax.tree_util.tree_flatten(full)
     param_leaves = jax.tree.leaves(params)
     param_paths = leaf_paths(params)
-    rules = scheme.resolve([f"{prefix}.{p}" if prefix else p for p in param_paths], [np.shape(p) for p in param_leaves])
+    try:
+        rules = scheme.resolve([f"{prefix}.{p}" if prefix else p for p in param_paths],
+                               [np.shape(p) for p in param_leaves])
+    except UnmatchedPatternError as e:
+        lead = {str(pattern).split(".", 1)[0] for pattern, _ in scheme.rules if "." in str(pattern)}
+        if prefix or lead != {"params"}:
+            raise
+        # a Linen variables-dict step's scheme, given variables["params"]
+        raise UnmatchedPatternError(
+            f"{e}\nThe scheme names params.… paths, as for a step that takes a Linen variables dict:"
+            " pass those parameters with their place in it, pockjax.init_opt_state(tx, variables['params'],"
+            " scheme, prefix='params').") from None
     for path, p, rule in zip(param_paths, param_leaves, rules):
         if isinstance(p, jax.ShapeDtypeStruct) and not isinstance(rule, Frozen):
             raise quant.QuantizationError(

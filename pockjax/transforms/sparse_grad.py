@@ -216,7 +216,7 @@ def _untagged_gradient_outputs(graph: TrainGraph) -> list[int]:
             and v in untagged]
 
 
-def _refuse_untagged_gradients(graph: TrainGraph, scheme: UpdateScheme, idx, resolved) -> None:
+def _refuse_untagged_gradients(graph: TrainGraph, resolved) -> None:
     """Refuses a step that updates with a gradient pockjax cannot restrict to the scheme.
 
     Such a gradient (:func:`_untagged_gradient_outputs`) is computed in full,
@@ -275,7 +275,7 @@ def resolve_rules(graph: TrainGraph, scheme: UpdateScheme, *, allow_nothing_trai
             f"{some([graph.in_paths[i] for i in idx], 6)})."
         )
     _refuse_trained_but_unchanged(graph, scheme, idx, resolved)
-    _refuse_untagged_gradients(graph, scheme, idx, resolved)
+    _refuse_untagged_gradients(graph, resolved)
     return dict(zip(idx, resolved))
 
 
