@@ -55,6 +55,7 @@ Literal = jex_core.Literal
 Primitive = jex_core.Primitive
 Var = jex_core.Var
 DropVar = jex_core.DropVar
+Tracer = jax.core.Tracer
 jaxpr_as_fun = jex_core.jaxpr_as_fun
 check_jaxpr = jex_core.check_jaxpr
 new_jaxpr_eqn = jex_core.new_jaxpr_eqn

@@ -53,11 +53,12 @@ from pockjax.transforms.strip_tags import strip_tags
 
 
 def default_passes(scheme: UpdateScheme | None, sparse_opt_state: bool = False, *,
-                   allow_nothing_trained: bool = False) -> Pass:
+                   allow_nothing_trained: bool = False, rank_first_barrier: bool | None = None) -> Pass:
     """``sparse_grad(scheme)``, ``dce()``, then ``fold_dot_transpose()`` (no ``sparse_grad`` without a scheme).
 
     A scheme with :func:`~pockjax.lora` rules also gets :func:`~pockjax.low_rank`
-    (and a second ``dce``) after the first ``dce``.
+    (and a second ``dce``) after the first ``dce``; ``rank_first_barrier`` is its
+    option.
 
     The memory passes (:func:`~pockjax.inplace_update`,
     :func:`~pockjax.reorder_for_memory`) are not in the default pipeline: measured
@@ -76,7 +77,7 @@ def default_passes(scheme: UpdateScheme | None, sparse_opt_state: bool = False, 
     if scheme.has_lora:
         from pockjax.transforms.low_rank import low_rank
 
-        return chain(grads, dce(), low_rank(), dce(), fold_dot_transpose())
+        return chain(grads, dce(), low_rank(rank_first_barrier=rank_first_barrier), dce(), fold_dot_transpose())
     return chain(grads, dce(), fold_dot_transpose())
 
 
@@ -440,13 +441,17 @@ def _refuse_nnx_objects_in_batch(name: str, batch: Sequence, first: int, *, nnx_
 _NNX_KINDS: dict[type, bool] = {}
 
 
+def _arg_leaves(args: Sequence) -> list[tuple[str, Any]]:
+    """``(args[...] path, leaf)`` of every leaf of a call's arguments, for error messages."""
+    return [(f"args{jax.tree_util.keystr(k)}", leaf) for k, leaf in jax.tree_util.tree_flatten_with_path(args)[0]]
+
+
 def _aliased_donation_message(name: str, args: Sequence) -> str:
     """Why XLA refused to donate: one array passed as two leaves, which are named."""
     seen: dict[int, str] = {}
-    for keypath, leaf in jax.tree_util.tree_flatten_with_path(args)[0]:
-        path = jax.tree_util.keystr(keypath)
+    for path, leaf in _arg_leaves(args):
         if isinstance(leaf, jax.Array) and id(leaf) in seen:
-            where = f"as args{seen[id(leaf)]} and args{path}"
+            where = f"as {seen[id(leaf)]} and {path}"
             break
         seen[id(leaf)] = path
     else:
@@ -457,14 +462,17 @@ def _aliased_donation_message(name: str, args: Sequence) -> str:
             " and slow parameters), or compile with pockjax.compile(..., donate=False).")
 
 
-def _deleted_arrays_message(name: str, args: Sequence) -> str | None:
-    """Which arguments were donated to an earlier call (their buffers are gone), or None."""
-    gone = [f"args{jax.tree_util.keystr(k)}" for k, leaf in jax.tree_util.tree_flatten_with_path(args)[0]
-            if isinstance(leaf, jax.Array) and leaf.is_deleted()]
+def _deleted_arrays_message(name: str, args: Sequence, donate: bool) -> str | None:
+    """Which arguments are deleted arrays (donated to an earlier call), or None."""
+    gone = [path for path, leaf in _arg_leaves(args)
+            if isinstance(leaf, jax.Array) and not isinstance(leaf, C.Tracer) and leaf.is_deleted()]
     if not gone:
         return None
-    return (f"{name}: {some(gone, quote=False)} {'was' if len(gone) == 1 else 'were'} donated to an earlier call of the"
-            " compiled step, whose memory now holds its results: pass the state that call returned"
+    was = "was" if len(gone) == 1 else "were"
+    if not donate:  # not by this step: another jitted function's donation, or .delete()
+        return f"{name}: {some(gone, quote=False)} {was} deleted before this call: pass live arrays."
+    return (f"{name}: {some(gone, quote=False)} {was} donated to an earlier call of the compiled step,"
+            " whose memory now holds its results: pass the state that call returned"
             " (params, opt_state = step(params, opt_state, batch)), a copy made before it (jnp.copy), or"
             " compile with pockjax.compile(..., donate=False).")
 
@@ -534,6 +542,11 @@ class CompiledFunction:
             return compiled.export(path, with_weights=True, state=state)
         return compiled.export(path, with_weights=with_weights)
 
+    def _rank_first_barrier(self) -> bool | None:
+        """``low_rank``'s option: an IREE module gets the barrier, whatever machine compiles it
+        (measured only on CPUs, where it pays); XLA decides by JAX's default backend (None)."""
+        return True if self.target is not None else None
+
     def __call__(self, *args, **kwargs):
         if kwargs:
             raise StepSignatureError(
@@ -543,7 +556,7 @@ class CompiledFunction:
             return self._call(*args)
         except (jax.errors.JaxRuntimeError, ValueError, RuntimeError) as e:
             if "has been deleted" in str(e):
-                message = _deleted_arrays_message(step_name(self.step), args)
+                message = _deleted_arrays_message(step_name(self.step), args, self.donate)
                 if message is not None:
                     raise StepSignatureError(message) from None
             if not isinstance(e, jax.errors.JaxRuntimeError) or (
@@ -608,7 +621,8 @@ class CompiledFunction:
         if quantized:
             trace_args = quant.abstract(trace_args)
         traced = trace_step(self.step, trace_args, n_state_args=n_state_args)
-        passes = self.passes or default_passes(self.scheme, bool(sparse_states))
+        passes = self.passes or default_passes(self.scheme, bool(sparse_states),
+                                               rank_first_barrier=self._rank_first_barrier())
         graph = self._precision(strip_tags()(passes(traced)))
         if quantized:
             graph = _with_quantized_inputs(graph, quantized, self.scheme, tree)
@@ -811,7 +825,7 @@ class CompiledFunction:
             paths=paths + [f"batch.{i}" for i in range(len(batch_flat))],
             n_state_args=1,
         )
-        passes = self.passes or default_passes(self.scheme)
+        passes = self.passes or default_passes(self.scheme, rank_first_barrier=self._rank_first_barrier())
         graph = self._precision(strip_tags()(passes(traced)))
         n_state = len(leaves)
         aux_tree = traced.out_tree.children()[1]

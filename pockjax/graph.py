@@ -346,30 +346,68 @@ def _updated_from_itself(jaxpr, leaves: set, in_roles, n_state_leaves: int) -> s
     Such a leaf is in the tree a ``jax.grad`` linearized (it has a parameter
     tag), but the loss does not read it, so its gradient is a zero autodiff
     leaves untagged. A stateless optimizer with weight decay
-    (``chain(add_decayed_weights(wd), sgd(lr))``) still moves it, reading
-    nothing but the leaf itself, constants, optimizer state and scalars (a
-    learning rate, a global norm): then it is a parameter, and a scheme that
-    freezes it keeps it. A value the step's own rule mixes in (an EMA of the
-    new weights, a batch statistic) makes it model state, updated as the
-    step computes it. Loops and branches count as one equation.
+    (``chain(add_decayed_weights(wd), sgd(lr))``) still moves it: its new
+    value reads the leaf itself and nothing else but constants, optimizer
+    state (a schedule's count), gradients and scalars computed from the
+    parameters, this one among them (a global norm over the updates), and
+    scales the leaf on the way (``wd * p``). Then it is a parameter, and a
+    scheme that freezes it keeps it. Everything else stays model state,
+    updated as the step computes it: a scalar leaf (a loss average, a
+    counter), a leaf the step shifts but never scales (``c + 1``) or
+    rebuilds from constants (a reset), and one whose new value mixes in
+    anything else (the batch, an EMA of the new weights, a statistic of
+    other weights). Loops and branches count as one equation.
     """
+    leaves = {i for i in leaves if jaxpr.invars[i].aval.shape}
     if not leaves:
         return set()
-    allowed = {i for i, r in enumerate(in_roles) if r == OPT_STATE}
-    sources: dict = {}
-    for i, v in enumerate(jaxpr.invars):
-        sources[v] = frozenset() if i in allowed else frozenset({i})
+    clean = {i for i, r in enumerate(in_roles) if r == OPT_STATE}
+    params = frozenset(i for i, r in enumerate(in_roles) if r == PARAM)
+    sources, scalars, producer = _input_sources(jaxpr, clean, params)
+    return {i for i, v in zip(range(n_state_leaves), jaxpr.outvars)
+            if i in leaves and not isinstance(v, C.Literal) and v is not jaxpr.invars[i]
+            and sources.get(v) == frozenset({i}) and (not scalars.get(v) or i in scalars[v])
+            and _scaled_on_the_way(v, i, sources, producer)}
+
+
+def _input_sources(jaxpr, clean: set, params: frozenset) -> tuple[dict, dict, dict]:
+    """``(sources, scalars, producer)`` over ``jaxpr``'s top level: for each variable, the
+    input indices it reads; the parameters read through scalars computed from
+    parameters alone (a global norm over updates), which ``sources`` leaves out; and
+    the equation computing it. Inputs in ``clean`` and gradient tags' outputs read nothing.
+    """
+    sources: dict = {v: frozenset() if i in clean else frozenset({i}) for i, v in enumerate(jaxpr.invars)}
+    scalars: dict = {}
+    producer: dict = {}
     for e in jaxpr.eqns:
-        got = frozenset().union(*(sources.get(v, frozenset()) for v in e.invars if not isinstance(v, C.Literal)))
+        ins = [v for v in e.invars if not isinstance(v, C.Literal)]
+        got, via = frozenset(), frozenset()
+        if e.primitive is not tags.grad_tag_p:
+            got = frozenset().union(*(sources.get(v, frozenset()) for v in ins))
+            via = frozenset().union(*(scalars.get(v, frozenset()) for v in ins))
         for o in e.outvars:
-            # a scalar is a hyperparameter's kind of value: a learning rate, a norm, a finiteness check
-            sources[o] = frozenset() if not o.aval.shape else got
-    found = set()
-    for i, v in zip(range(n_state_leaves), jaxpr.outvars):
-        if i in leaves and not isinstance(v, C.Literal) and v is not jaxpr.invars[i] \
-                and sources.get(v, frozenset()) <= {i}:
-            found.add(i)
-    return found
+            if not o.aval.shape and got <= params:
+                sources[o], scalars[o] = frozenset(), via | got
+            else:
+                sources[o], scalars[o] = got, via
+            producer[o] = e
+    return sources, scalars, producer
+
+
+def _scaled_on_the_way(v, i: int, sources: dict, producer: dict) -> bool:
+    """Whether ``v`` is computed through a ``mul`` of (a value of) input ``i`` by a scalar."""
+    seen, todo = set(), [v]
+    while todo:
+        e = producer.get(todo.pop())
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        reads = [a for a in e.invars if not isinstance(a, C.Literal) and i in sources.get(a, ())]
+        if e.primitive.name == "mul" and reads and any(
+                isinstance(b, C.Literal) or not b.aval.shape for b in e.invars):
+            return True
+        todo += reads
+    return False
 
 
 def _updated_by_own_state(jaxpr, ungraded: set, in_roles, in_paths, shapes, candidates,

@@ -765,6 +765,37 @@ def test_a_frozen_parameter_the_loss_does_not_read_stays_frozen(tx):
     assert float(trained["b"][0, 0]) < 0.995  # the check can tell: jit decays it
 
 
+def test_statistics_in_a_differentiated_tree_stay_model_state_under_a_stateless_decaying_optimizer():
+    # The stateless-decay rule once took every scalar for a hyperparameter and any leaf that
+    # read only itself for a decayed parameter: a loss average, a counter, a reset and
+    # statistics of the batch or of the new weights turned into parameters, frozen by the
+    # scheme's default rule, and stopped updating. Only 'u', which the decay alone moves, is one.
+    tx = optax.chain(optax.add_decayed_weights(0.5), optax.sgd(0.1))
+    params = {"w": jnp.full((4, 4), 0.1), "u": jnp.ones((4,)), "loss_ema": jnp.ones(()), "count": jnp.zeros(()),
+              "vcount": jnp.zeros((3,)), "acc": jnp.ones((2,)), "xscale": jnp.ones((4,)), "wstat": jnp.ones((4,))}
+    x = jnp.ones((2, 4)) * 1.5
+
+    def step(params, s, x):
+        loss, g = jax.value_and_grad(lambda q: jnp.sum(jnp.tanh(x @ q["w"])))(params)
+        u, s = tx.update(g, s, params)
+        new = optax.apply_updates(params, u)
+        return {**new, "loss_ema": 0.9 * params["loss_ema"] + 0.1 * loss, "count": params["count"] + 1.0,
+                "vcount": params["vcount"] + 1.0, "acc": jnp.zeros_like(params["acc"]),
+                "xscale": params["xscale"] * jnp.mean(x ** 2),
+                "wstat": 0.9 * params["wstat"] + 0.1 * jnp.abs(new["w"]).max()}, s
+
+    traced = pockjax.trace_step(step, (params, tx.init(params), x))
+    roles = {p: r for p, r in zip(traced.in_paths, traced.in_roles) if p in params}
+    assert roles == {"w": "param", "u": "param", **{k: "model_state" for k in params if k not in ("w", "u")}}
+    got = pockjax.compile(step, scheme=pockjax.UpdateScheme({"w": "full"}))(
+        jax.tree.map(jnp.copy, params), tx.init(params), x)[0]
+    ref = jax.jit(step)(jax.tree.map(jnp.copy, params), tx.init(params), x)[0]
+    for k in params:
+        want = params["u"] if k == "u" else ref[k]  # u: frozen by the scheme, kept
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want), atol=1e-7, err_msg=k)
+    assert not np.array_equal(np.asarray(ref["u"]), np.asarray(params["u"]))  # jax.jit decays it
+
+
 def test_an_ema_in_the_params_stays_model_state_under_a_stateless_decaying_optimizer():
     # the EMA leaf is differentiated too (a zero gradient) and decays, but its new value mixes
     # in the new weights: the step's own rule, so model state, updated as jax.jit updates it
@@ -915,3 +946,49 @@ def test_state_donated_to_an_earlier_call_is_named():
     with pytest.raises(pockjax.StepSignatureError, match=r"args\[0\]\['b'\] was donated to an earlier call of the"
                                                          r" compiled step.*pass the state that call returned"):
         f(p, s1, x)
+    # a step that donates nothing does not blame itself
+    q = {"a": jnp.ones((4, 4)), "b": jnp.ones((4, 2))}
+    kept = pockjax.compile(step, scheme=scheme, donate=False)
+    q["b"].delete()
+    with pytest.raises(pockjax.StepSignatureError, match=r"args\[0\]\['b'\] was deleted before this call"):
+        kept(q, pockjax.init_opt_state(tx, q, scheme), x)
+
+
+def _sam_in_a_loop(kind: str, shift_in_loss: bool):
+    """SAM with its gradients accumulated over two micro-batches in a lax.scan or fori_loop."""
+    def sam_grad(p, x, y):
+        g1 = jax.grad(_two_layer_loss)(p, x, y)
+        shift = jax.tree.map(lambda g: 0.5 * g / optax.tree.norm(g1), g1)
+        if shift_in_loss:
+            shift = jax.lax.stop_gradient(shift)
+            return jax.grad(lambda q: _two_layer_loss(jax.tree.map(jnp.add, q, shift), x, y))(p)
+        return jax.grad(_two_layer_loss)(jax.tree.map(jnp.add, p, shift), x, y)
+
+    def step(p, s, x, y):
+        xs, ys = x.reshape(2, -1, x.shape[-1]), y.reshape(2, -1, y.shape[-1])
+        zeros = jax.tree.map(jnp.zeros_like, p)
+        if kind == "scan":
+            g, _ = jax.lax.scan(lambda acc, b: (jax.tree.map(jnp.add, acc, sam_grad(p, *b)), None), zeros, (xs, ys))
+        else:
+            g = jax.lax.fori_loop(0, 2, lambda i, acc: jax.tree.map(jnp.add, acc, sam_grad(p, xs[i], ys[i])), zeros)
+        u, s = _SAM_TX.update(g, s, p)
+        return optax.apply_updates(p, u), s
+    return step
+
+
+@pytest.mark.parametrize("kind", ["scan", "fori_loop"])
+def test_a_gradient_at_a_perturbed_point_inside_a_loop_is_refused(kind):
+    # The loop counted as one equation, so SAM's second gradient inside it went unnoticed
+    # (left open in the tenth session); the rewrite the message gives compiles and matches
+    p, x, y = _sam_data()
+    scheme = pockjax.UpdateScheme({"head": "full"})
+    with pytest.raises(pockjax.SchemeError, match="gradient taken at a value computed from the parameters"):
+        pockjax.compile(_sam_in_a_loop(kind, False), scheme=scheme)(jax.tree.map(jnp.copy, p), _SAM_TX.init(p), x, y)
+    got = pockjax.compile(_sam_in_a_loop(kind, True), scheme=scheme)(jax.tree.map(jnp.copy, p), _SAM_TX.init(p), x, y)
+    np.testing.assert_array_equal(np.asarray(got[0]["enc"]), np.asarray(p["enc"]))
+    # under a scheme that trains everything there is nothing to restrict: it compiles, as jax.jit
+    full = pockjax.compile(_sam_in_a_loop(kind, False), scheme=pockjax.UpdateScheme.full())(
+        jax.tree.map(jnp.copy, p), _SAM_TX.init(p), x, y)
+    ref = jax.jit(_sam_in_a_loop(kind, False))(jax.tree.map(jnp.copy, p), _SAM_TX.init(p), x, y)
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)

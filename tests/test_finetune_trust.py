@@ -246,6 +246,19 @@ def test_resume_with_other_options_is_refused(run4, capsys):
     assert res.metrics["steps_this_run"] == 0 and res.metrics["steps"] == 4
 
 
+def test_a_run_saved_with_more_blocks_than_the_model_resumes_with_them_capped(run4):
+    # Before 2026-11-27 --blocks above the depth was quietly capped; now it is an error, but a
+    # run saved then still resumes, with the blocks it trained (the model's 2)
+    from pockjax.train.finetune import _resume_config
+
+    run = json.load(open(os.path.join(run4, "run.json")))
+    run["config"]["blocks"] = 5
+    assert _resume_config(cfg(out=run4, resume=True), run4, run, given=set()).blocks == 2
+    assert _resume_config(cfg(out=run4, resume=True, blocks=2), run4, run, given={"blocks"}).blocks == 2
+    with pytest.raises(FinetuneError, match="--blocks: the run has 5, given 1"):
+        _resume_config(cfg(out=run4, resume=True, blocks=1), run4, run, given={"blocks"})
+
+
 def test_run_json_records_the_configuration(run4):
     run = json.load(open(os.path.join(run4, "run.json")))
     assert run["config"]["batch_size"] == 2 and run["config"]["blocks"] == 1

@@ -162,6 +162,10 @@ def test_the_rank_first_barrier_is_pinned_on_a_cpu_backend_only(monkeypatch):
     assert low_rank._RANK_FIRST_BARRIER is None and barriers() == 4 * cfg.n_layers
     monkeypatch.setattr(low_rank.jax, "default_backend", lambda: "gpu")
     assert barriers() == 0
+    # an IREE module gets it whatever backend compiles it (an arm64 module built on a GPU host)
+    iree = pockjax.compile(answer_train_step(graphdef, tx, window=2), scheme=scheme, target="cpu")
+    eqns = iree.lower(p, pockjax.init_opt_state(tx, p, scheme), batch).graph.jaxpr.eqns
+    assert sum(e.primitive.name == "optimization_barrier" for e in eqns) == 4 * cfg.n_layers
     monkeypatch.setattr(low_rank, "_RANK_FIRST_BARRIER", True)  # forced, as the benchmark does
     assert barriers() == 4 * cfg.n_layers
 

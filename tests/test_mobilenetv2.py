@@ -255,7 +255,7 @@ def test_paper_scheme_selects_expected_tensors(params):
     last2 = {p for p in biases if p.startswith(("blocks.15.", "blocks.16.", "last."))}
     assert set(_selected("paper", params, blocks=2)) == {
         "blocks.15.expand.conv.kernel", "blocks.16.expand.conv.kernel"} | last2 | head
-    # more blocks than have an expand conv: all 16 of them
+    # every block: the 16 with an expand conv
     assert len([p for p in _selected("paper", params, blocks=17) if p.endswith("expand.conv.kernel")]) == 16
 
 

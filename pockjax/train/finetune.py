@@ -707,6 +707,8 @@ def _same_option(name: str, given: Any, saved: FinetuneConfig, n_layers: int | N
         return float(DEFAULT_LR.get(saved.optimizer, 0) if have is None else have) == \
             float(DEFAULT_LR.get(saved.optimizer, 0) if given is None else given)
     if name == "blocks" and n_layers is not None:
+        # a run saved before 2026-11-27 may hold more blocks than the model has (then capped)
+        have = None if have is None else min(int(have), n_layers)
         return paper_blocks(n_layers, have) == paper_blocks(n_layers, given)
     if name == "data" and have and given:
         return os.path.abspath(have) == os.path.abspath(given)
@@ -751,6 +753,8 @@ def _resume_config(cfg: FinetuneConfig, out: str, run: dict, given: set[str]) ->
             f" the trained weights; leave them out to continue the run exactly, or start a new run"
             f" in another --out (only {', '.join(_flag(k) for k in RESUME_MAY_CHANGE)} may change)")
     keep = {k: getattr(cfg, k) for k in RESUME_MAY_CHANGE if k in given}
+    if saved.blocks is not None and n_layers is not None and saved.blocks > n_layers:
+        keep["blocks"] = n_layers  # saved before 2026-11-27, when more blocks than the model's were capped
     return dataclasses.replace(saved, **keep, out=cfg.out, resume=True)
 
 

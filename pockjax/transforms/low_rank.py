@@ -132,15 +132,17 @@ class _Gradient:
 
 _SYMBOLIC = (_Adapted, _Gradient)
 
-#: Pin the rank-first order of the adapter-A gradient (see ``_adapter_grads``): None
-#: pins it when JAX's default backend is the CPU, where it pays, and not on a GPU, where
-#: it cost 0.4% and 2.7% of a llama-1b LoRA step in two runs on an H100 (20.71 against
-#: 20.64 ms, 20.58 against 20.02 ms). True and
-#: False force it; ``benchmarks/lora_barrier.py`` measures both.
+#: Pin the rank-first order of the adapter-A gradient (see ``_adapter_grads``) when
+#: :func:`low_rank` is not told: None pins it when JAX's default backend is the CPU,
+#: where it pays, and not on a GPU, where it bought nothing in two runs on an H100
+#: (a llama-1b LoRA step took 20.71 against 20.64 ms with it, then 20.58 against
+#: 20.02 ms). True and False force it; ``benchmarks/lora_barrier.py`` measures both.
 _RANK_FIRST_BARRIER: bool | None = None
 
 
-def _rank_first_barrier() -> bool:
+def _rank_first_barrier(given: bool | None = None) -> bool:
+    if given is not None:
+        return bool(given)
     if _RANK_FIRST_BARRIER is None:
         return jax.default_backend() == "cpu"
     return bool(_RANK_FIRST_BARRIER)
@@ -208,10 +210,9 @@ def _dot_with_adapted(eqn, x, v: _Adapted, x_is_lhs: bool):
     return [base + low.astype(out_dtype)]
 
 
-def _adapter_grads(g: _Gradient, a, b, scale):
+def _adapter_grads(g: _Gradient, a, b, scale, pin: bool):
     """``(s G b^T, s a^T G)`` with ``G = sum of terms``, never forming ``G``."""
     ga, gb = None, None
-    pin = _rank_first_barrier()
     for t in g.terms:
         # in G, rows come from P's free axis and columns from Q's (swapped if transposed)
         rows, cols, r_contract, c_contract = (t.p, t.q, t.p_contract, t.q_contract)
@@ -248,8 +249,8 @@ def _adapter_grads(g: _Gradient, a, b, scale):
 class _Rewrite:
     """The re-trace rule; ``only`` holds the current jaxpr's gradient-only variables."""
 
-    def __init__(self, stats: dict, only: set):
-        self.stats, self.only = stats, only
+    def __init__(self, stats: dict, only: set, pin: bool):
+        self.stats, self.only, self.pin = stats, only, pin
 
     def dense(self, x):
         return x.materialize(self.stats) if isinstance(x, _SYMBOLIC) else x
@@ -287,14 +288,14 @@ class _Rewrite:
             if prim is lora_ct_p and isinstance(invals[0], _Gradient):
                 _, a, b = invals
                 self.stats["factored_gradients"] += 1
-                return list(_adapter_grads(invals[0], a, b, eqn.params["scale"]))
+                return list(_adapter_grads(invals[0], a, b, eqn.params["scale"], self.pin))
             out = self._gradient_flow(eqn, invals)
             if out is not None:
                 return out
         if symbolic:
             invals = [self.dense(x) for x in invals]
         # nested jaxprs: adapted values are factored inside too; gradients stay dense there
-        nested = _Rewrite(self.stats, set())
+        nested = _Rewrite(self.stats, set(), self.pin)
         out = core.rewrite_nested(eqn, invals, nested, lambda e: e.primitive in LORA_PRIMITIVES,
                                   finish=lambda outs: [nested.dense(x) for x in outs])
         if out is None and symbolic:
@@ -328,11 +329,16 @@ class _Rewrite:
         return None
 
 
-def low_rank() -> Pass:
+def low_rank(*, rank_first_barrier: bool | None = None) -> Pass:
     """The pass that computes LoRA-adapted products and adapter gradients from the factors.
 
     :func:`pockjax.compile` runs it after ``sparse_grad`` and ``dce`` when the
     scheme has a :func:`pockjax.lora` rule. See :mod:`pockjax.transforms.low_rank`.
+
+    ``rank_first_barrier``: pin the faster order of the adapter-A gradient on
+    a CPU with an ``optimization_barrier`` (:func:`pockjax.compile` gives True
+    for an IREE target, which the barrier does not slow); None: when JAX's
+    default backend is the CPU.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, pockjax
@@ -354,7 +360,7 @@ def low_rank() -> Pass:
             return graph
         stats = {"adapters": 0, "factored_products": 0, "factored_gradients": 0, "dense": 0}
         inner = graph.closed_jaxpr.jaxpr
-        rule = _Rewrite(stats, _gradient_only_vars(inner))
+        rule = _Rewrite(stats, _gradient_only_vars(inner), _rank_first_barrier(rank_first_barrier))
 
         def fun(*args):
             outs = core.eval_jaxpr_with(inner, list(graph.closed_jaxpr.consts), args, rule)

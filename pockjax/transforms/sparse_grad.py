@@ -189,31 +189,52 @@ def _untagged_gradient_outputs(graph: TrainGraph) -> list[int]:
     ``grad_tag`` stands between: a tagged gradient is the sanctioned way out
     of a backward pass (an adversarial batch ``x + eps * sign(grad_x)``
     reaches the parameters only through the tagged gradient of the loss at
-    it). Equations holding nested jaxprs count as their outer equation only
-    (a gradient inside a loop is :func:`_refuse_hidden_gradients`' part).
+    it). A loop or branch passes on what its bodies return untagged
+    (:func:`_untagged_values`).
     Returns the input indices of parameters (and of float leaves passed as
     parameters that the step never differentiates) and optimizer-state
     leaves whose output holds an untagged value.
     """
     jaxpr = graph.jaxpr
-    untagged: set = set()
-    for e in jaxpr.eqns:
-        if e.primitive is tags.grad_tag_p:
-            continue
-        phase = _interp.phase(e)
-        # A forward pass computes values, not gradients: the loss at an adversarial batch
-        # x + eps * sign(grad_x) is a value (reduce_on_plateau may read it), and the
-        # gradients taken at that batch are tagged.
-        if phase == _interp.Phase.BACKWARD or (
-                phase != _interp.Phase.FORWARD
-                and any(not isinstance(v, C.Literal) and v in untagged for v in e.invars)):
-            untagged.update(v for v in e.outvars if not isinstance(v, C.DropVar))
+    untagged = _untagged_values(jaxpr)
     if not untagged:
         return []
     watched = set(graph.inputs_with_role(PARAM)) | set(graph.ungraded)
     return [i for v, i, r in zip(jaxpr.outvars, graph.out_to_in, graph.out_roles)
             if i is not None and (i in watched or r == OPT_STATE) and not isinstance(v, C.Literal)
             and v in untagged]
+
+
+def _untagged_values(jaxpr, outer: str = "") -> set:
+    """The variables of ``jaxpr`` that hold an untagged gradient (see :func:`_untagged_gradient_outputs`).
+
+    A loop or branch (``scan``, ``while``, ``cond``, ``remat``) whose body
+    computes one and returns it gives that output untagged: its bodies return
+    what the equation returns, position by position (SAM's second gradient
+    accumulated over micro-batches in a ``scan``).
+    """
+    untagged: set = set()
+    for e in jaxpr.eqns:
+        if e.primitive is tags.grad_tag_p:
+            continue
+        phase = _interp.phase(e, outer)
+        # A forward pass computes values, not gradients: the loss at an adversarial batch
+        # x + eps * sign(grad_x) is a value (reduce_on_plateau may read it), and the
+        # gradients taken at that batch are tagged.
+        if phase == _interp.Phase.FORWARD:
+            continue
+        if phase == _interp.Phase.BACKWARD or any(not isinstance(v, C.Literal) and v in untagged for v in e.invars):
+            untagged.update(v for v in e.outvars if not isinstance(v, C.DropVar))
+            continue
+        stack = f"{outer}/{_interp.eqn_name_stack(e)}" if outer else _interp.eqn_name_stack(e)
+        for sub in _interp.sub_jaxprs(e, strict=False):
+            body = _interp.open_jaxpr(sub)
+            if len(body.outvars) != len(e.outvars):  # a while's cond: a predicate, not a value
+                continue
+            inner = _untagged_values(body, stack)
+            untagged.update(o for o, b in zip(e.outvars, body.outvars)
+                            if not isinstance(o, C.DropVar) and not isinstance(b, C.Literal) and b in inner)
+    return untagged
 
 
 def _refuse_untagged_gradients(graph: TrainGraph, resolved) -> None:
@@ -460,11 +481,10 @@ def _plan_eqn(eqn, req: _Requests, rules: dict, param_shapes: dict) -> tuple:
 def _plan_grad_tag(eqn, out_demand, req: _Requests, rules: dict, param_shapes: dict) -> tuple:
     """A gradient tag: zero (frozen), the selected channels, or the gradient as is."""
     rule = rules.get(eqn.params["index"], Full())
-    if _per_example(eqn, param_shapes):
-        # jax.vmap of jax.grad: a frozen parameter's per-example gradients are zeros too
-        # (_refuse_per_example_channels has refused a channels rule)
-        pass
-    elif tuple(eqn.invars[0].aval.shape) != param_shapes.get(eqn.params["index"]):
+    # per-example gradients (jax.vmap of jax.grad) keep the rule: a frozen parameter's are zeros
+    # too, and _refuse_per_example_channels has refused a channels rule
+    shape = tuple(eqn.invars[0].aval.shape)
+    if not _per_example(eqn, param_shapes) and shape != param_shapes.get(eqn.params["index"]):
         rule = Full()  # already sliced by an earlier sparse_grad: leave as is
     if isinstance(rule, Frozen):
         return ("zero",)

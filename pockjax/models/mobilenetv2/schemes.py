@@ -56,17 +56,25 @@ def _plural(n: int) -> str:
 
 
 def expand_paper_blocks(config: MobileNetV2Config, blocks: int | None = None) -> list[int]:
-    """The blocks whose expand conv ``paper`` and ``channels`` train (the last N with one).
+    """The blocks whose expand conv ``paper`` and ``channels`` train: those of the last N
+    blocks that have one (N = ``blocks``, or :func:`~pockjax.schemes.paper_blocks`' default).
+
+    Raises:
+        SchemeError: ``blocks`` outside 1..the block count, or no expand conv among
+          the last N blocks.
 
     Example:
         >>> expand_paper_blocks(MobileNetV2Config(), 3)
         [14, 15, 16]
+        >>> len(expand_paper_blocks(MobileNetV2Config(), 17))  # every block: the first has no expand conv
+        16
     """
-    have = config.expand_blocks()
-    if not have:
-        raise SchemeError("this MobileNetV2 has no block with an expand conv (every t is 1)")
-    n = paper_blocks(len(have), None) if blocks is None else paper_blocks(config.n_blocks, blocks)
-    return have[len(have) - min(n, len(have)):]  # --blocks counts every block; the first has no expand
+    n = paper_blocks(config.n_blocks, blocks)
+    chosen = [i for i in config.expand_blocks() if i >= config.n_blocks - n]
+    if not chosen:
+        raise SchemeError(f"none of the last {_plural(n)} of this MobileNetV2 has an expand conv (t is 1):"
+                          f" give a larger --blocks (at most {config.n_blocks})")
+    return chosen
 
 
 def _paper_rules(chosen: list[int], rule: Any) -> list[tuple[str, Any]]:
@@ -76,8 +84,8 @@ def _paper_rules(chosen: list[int], rule: Any) -> list[tuple[str, Any]]:
 
 
 @register_scheme("paper", FAMILY,
-                 "expand (first point-wise) conv + BatchNorm biases of the last N blocks with one,"
-                 " last conv's bias, head (PockEngine; N = a third of the blocks, at least 10)")
+                 "expand (first point-wise) conv + BatchNorm biases of the last N blocks (those with"
+                 " an expand conv), last conv's bias, head (PockEngine; N = a third of the blocks, at least 10)")
 def _paper(config: Any, *, blocks: int | None = None, fraction: float = 0.5) -> UpdateScheme:
     chosen = expand_paper_blocks(config, blocks)
     return UpdateScheme(_paper_rules(chosen, "full"), name=f"paper (last {_plural(len(chosen))})")
