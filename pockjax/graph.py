@@ -340,34 +340,36 @@ def _tag_indices(jaxpr, primitive) -> set[int]:
     return found
 
 
-def _updated_from_itself(jaxpr, leaves: set, in_roles, n_state_leaves: int) -> set[int]:
-    """Of ``leaves`` (differentiated inputs with no gradient tag), those the optimizer updates.
+def _optimizer_driven(jaxpr, own_state: set, stateless: set, in_roles, n_state_leaves: int) -> set[int]:
+    """Of the differentiated inputs with no gradient tag, those the optimizer updates.
 
-    Such a leaf is in the tree a ``jax.grad`` linearized (it has a parameter
-    tag), but the loss does not read it, so its gradient is a zero autodiff
-    leaves untagged. A stateless optimizer with weight decay
-    (``chain(add_decayed_weights(wd), sgd(lr))``) still moves it: its new
-    value reads the leaf itself and nothing else but constants, optimizer
-    state (a schedule's count), gradients and scalars computed from the
-    parameters, this one among them (a global norm over the updates), and
-    scales the leaf on the way (``wd * p``). Then it is a parameter, and a
-    scheme that freezes it keeps it. Everything else stays model state,
-    updated as the step computes it: a scalar leaf (a loss average, a
-    counter), a leaf the step shifts but never scales (``c + 1``) or
-    rebuilds from constants (a reset), and one whose new value mixes in
-    anything else (the batch, an EMA of the new weights, a statistic of
-    other weights). Loops and branches count as one equation.
+    Such a leaf is in the tree a ``jax.grad`` linearized, but the loss does
+    not read it, so its gradient is a zero autodiff leaves untagged. The
+    optimizer still moves it: AdamW's weight decay through the leaf's own
+    state (``own_state``, :func:`_updated_by_own_state`), or a stateless
+    optimizer's decay (``chain(add_decayed_weights(wd), sgd(lr))``; the
+    candidates in ``stateless``), which must scale the leaf on the way
+    (``wd * p``). Either way its new value reads the leaf itself and nothing
+    else but constants, optimizer state, gradients and scalars computed from
+    the parameters with this one among them (a global norm over the updates).
+    Then it is a parameter, and a scheme that freezes it keeps it.
+    Everything else stays model state, updated as the step computes it: a
+    scalar (a loss average, a counter), a leaf the step shifts but never
+    scales (``c + 1``) or rebuilds from constants (a reset), and one whose
+    new value mixes in anything else (the batch, an EMA of the new weights
+    kept in the tree, a statistic of other weights), even if the optimizer
+    updated it first. Loops and branches count as one equation.
     """
-    leaves = {i for i in leaves if jaxpr.invars[i].aval.shape}
-    if not leaves:
+    stateless = {i for i in stateless if jaxpr.invars[i].aval.shape}
+    if not own_state and not stateless:
         return set()
     clean = {i for i, r in enumerate(in_roles) if r == OPT_STATE}
     params = frozenset(i for i, r in enumerate(in_roles) if r == PARAM)
     sources, scalars, producer = _input_sources(jaxpr, clean, params)
     return {i for i, v in zip(range(n_state_leaves), jaxpr.outvars)
-            if i in leaves and not isinstance(v, C.Literal) and v is not jaxpr.invars[i]
+            if (i in own_state or i in stateless) and not isinstance(v, C.Literal) and v is not jaxpr.invars[i]
             and sources.get(v) == frozenset({i}) and (not scalars.get(v) or i in scalars[v])
-            and _scaled_on_the_way(v, i, sources, producer)}
+            and (i in own_state or _scaled_on_the_way(v, i, sources, producer))}
 
 
 def _input_sources(jaxpr, clean: set, params: frozenset) -> tuple[dict, dict, dict]:
@@ -556,12 +558,13 @@ def trace_step(
     # ... unless its optimizer state updates it: a parameter the loss does not read has a zero
     # gradient that autodiff leaves untagged, and AdamW's decay still moves it (a scheme that
     # freezes it must then keep it, as PyTorch's requires_grad=False does).
-    driven = _updated_by_own_state(closed.jaxpr, set(ungraded), in_roles, in_paths, [a.shape for a in avals],
-                                   candidates, n_state_args, per_arg_counts)
-    # ... or, under a stateless optimizer, its weight decay alone moves it
+    own = _updated_by_own_state(closed.jaxpr, set(ungraded), in_roles, in_paths, [a.shape for a in avals],
+                                candidates, n_state_args, per_arg_counts)
+    # ... or, under a stateless optimizer, its weight decay alone moves it; either way only
+    # when its new value mixes in nothing else (an EMA kept in the tree stays model state)
     linearized = _tag_indices(closed.jaxpr, tags.param_tag_p)
-    driven |= _updated_from_itself(closed.jaxpr, {i for i in ungraded if i in linearized and i not in driven},
-                                   in_roles, sum(per_arg_counts[:n_state_args]))
+    driven = _optimizer_driven(closed.jaxpr, own, {i for i in ungraded if i in linearized and i not in own},
+                               in_roles, sum(per_arg_counts[:n_state_args]))
     differentiated = set(differentiated) | driven
     ungraded = tuple(i for i in ungraded if i not in driven)
     in_roles = [MODEL_STATE if r == PARAM and i not in differentiated else r for i, r in enumerate(in_roles)]
