@@ -628,14 +628,20 @@ class CompiledFunction:
             graph = _with_quantized_inputs(graph, quantized, self.scheme, tree)
         if sparse_states:
             expected = [tuple(np.shape(x)) for state in sparse_states for x in state.leaves]
-            got = [tuple(graph.in_avals[i].shape) for i, r in enumerate(graph.in_roles) if r == OPT_STATE]
+            opt = [i for i, r in enumerate(graph.in_roles) if r == OPT_STATE]
+            got = [tuple(graph.in_avals[i].shape) for i in opt]
             if expected != got:
                 k = next((k for k, (e, g) in enumerate(zip(expected, got)) if e != g), min(len(expected), len(got)))
-                first = (f"leaf {k} has shape {expected[k] if k < len(expected) else 'none'}, the step needs"
+                first = (f"leaf {k}{f' ({graph.in_paths[opt[k]]})' if k < len(opt) else ''} has shape"
+                         f" {expected[k] if k < len(expected) else 'none (the state ends there)'}, the step needs"
                          f" {got[k] if k < len(got) else 'none'}")
                 hint = ("" if self.passes is None else " With passes=, build the pipeline with"
                         " default_passes(scheme, sparse_opt_state=True) (or sparse_grad(scheme,"
                         " sparse_opt_state=True)), as pockjax.compile does.")
+                if len(got) > len(expected) and self.passes is None:  # model state reads its optimizer state
+                    hint += (" If it was made so, the step updates a leaf the scheme freezes as model state"
+                             " (it sets the leaf itself, from the batch or other weights) and reads that"
+                             " leaf's optimizer state: pass the full state, tx.init(params).")
                 raise StepSignatureError(
                     f"{name}: the sparse optimizer state does not fit the step: it has {len(expected)} leaves,"
                     f" the step reads {len(got)} ({first}; the state's leaf shapes: {some(expected)}; the"

@@ -369,7 +369,7 @@ def _optimizer_driven(jaxpr, own_state: set, stateless: set, in_roles, n_state_l
     return {i for i, v in zip(range(n_state_leaves), jaxpr.outvars)
             if (i in own_state or i in stateless) and not isinstance(v, C.Literal) and v is not jaxpr.invars[i]
             and sources.get(v) == frozenset({i}) and (not scalars.get(v) or i in scalars[v])
-            and (i in own_state or _scaled_on_the_way(v, i, sources, producer))}
+            and (i in own_state or _applied_update(v, jaxpr.invars[i], i, sources, producer))}
 
 
 def _input_sources(jaxpr, clean: set, params: frozenset) -> tuple[dict, dict, dict]:
@@ -396,6 +396,28 @@ def _input_sources(jaxpr, clean: set, params: frozenset) -> tuple[dict, dict, di
     return sources, scalars, producer
 
 
+def _applied_update(v, leaf, i: int, sources: dict, producer: dict) -> bool:
+    """Whether ``v`` is ``leaf + update`` (``optax.apply_updates``; the leaf maybe cast first),
+    the update a scaling of the leaf (weight decay's ``-lr * wd * p``), not the step's own
+    rule (``p * 0.9``, ``p * 0.9 + 1``)."""
+    e = producer.get(v)
+    if e is None or e.primitive.name not in ("add", "add_any") or len(e.invars) != 2:
+        return False
+
+    def is_leaf(a):
+        while not isinstance(a, C.Literal) and a is not leaf:
+            c = producer.get(a)
+            if c is None or c.primitive.name != "convert_element_type":
+                return False
+            a = c.invars[0]
+        return a is leaf
+
+    for a, b in (e.invars, e.invars[::-1]):
+        if is_leaf(a) and not isinstance(b, C.Literal) and _scaled_on_the_way(b, i, sources, producer):
+            return True
+    return False
+
+
 def _scaled_on_the_way(v, i: int, sources: dict, producer: dict) -> bool:
     """Whether ``v`` is computed through a ``mul`` of (a value of) input ``i`` by a scalar."""
     seen, todo = set(), [v]
@@ -413,8 +435,9 @@ def _scaled_on_the_way(v, i: int, sources: dict, producer: dict) -> bool:
 
 
 def _updated_by_own_state(jaxpr, ungraded: set, in_roles, in_paths, shapes, candidates,
-                          n_state_args: int, per_arg_counts) -> set[int]:
-    """Of the ``ungraded`` inputs, those whose new value reads their own optimizer state.
+                          n_state_args: int, per_arg_counts) -> tuple[set[int], set[int]]:
+    """Of the ``ungraded`` inputs, those whose new value reads their own optimizer state,
+    and those that have optimizer state of their own.
 
     The step linearized the whole parameter tree, but the loss does not read
     these leaves: their gradient is a zero autodiff leaves untagged. The
@@ -424,11 +447,11 @@ def _updated_by_own_state(jaxpr, ungraded: set, in_roles, in_paths, shapes, cand
     by the step's own rule, read no state of their own and stay model state.
     """
     if not ungraded:
-        return set()
+        return set(), set()
     opt_idx = [i for i, r in enumerate(in_roles) if r == OPT_STATE]
     cand_idx = [i for i, r in enumerate(in_roles) if r == PARAM]
     if not opt_idx:
-        return set()
+        return set(), set()
     mapping = optstate_param_map(
         [in_paths[i].split(".", 1)[1] if "." in in_paths[i] else "" for i in opt_idx],
         [shapes[i] for i in opt_idx], [in_paths[i] for i in cand_idx], [shapes[i] for i in cand_idx],
@@ -437,8 +460,9 @@ def _updated_by_own_state(jaxpr, ungraded: set, in_roles, in_paths, shapes, cand
     for i, m in zip(opt_idx, mapping):
         if m is not None and cand_idx[m] in ungraded:
             label[jaxpr.invars[i]] = frozenset({cand_idx[m]})
+    with_state = set().union(*label.values()) if label else set()
     if not label:
-        return set()
+        return set(), with_state
     # Elementwise only: a label passes to an output of its value's shape. A reduction over
     # all the updates (clip_by_global_norm, apply_if_finite's check) would otherwise carry
     # every leaf's label into every update, and an EMA of the new weights would look
@@ -453,7 +477,7 @@ def _updated_by_own_state(jaxpr, ungraded: set, in_roles, in_paths, shapes, cand
                 label[o] = got
     n_state_leaves = sum(per_arg_counts[:n_state_args])
     return {i for i, v in zip(range(n_state_leaves), jaxpr.outvars)
-            if i in ungraded and not isinstance(v, C.Literal) and i in label.get(v, frozenset())}
+            if i in ungraded and not isinstance(v, C.Literal) and i in label.get(v, frozenset())}, with_state
 
 
 def trace_step(
@@ -558,12 +582,12 @@ def trace_step(
     # ... unless its optimizer state updates it: a parameter the loss does not read has a zero
     # gradient that autodiff leaves untagged, and AdamW's decay still moves it (a scheme that
     # freezes it must then keep it, as PyTorch's requires_grad=False does).
-    own = _updated_by_own_state(closed.jaxpr, set(ungraded), in_roles, in_paths, [a.shape for a in avals],
-                                candidates, n_state_args, per_arg_counts)
-    # ... or, under a stateless optimizer, its weight decay alone moves it; either way only
-    # when its new value mixes in nothing else (an EMA kept in the tree stays model state)
+    own, with_state = _updated_by_own_state(closed.jaxpr, set(ungraded), in_roles, in_paths,
+                                            [a.shape for a in avals], candidates, n_state_args, per_arg_counts)
+    # ... or, under an optimizer with no state for it, its weight decay alone moves it; either
+    # way only when its new value mixes in nothing else (an EMA kept in the tree stays model state)
     linearized = _tag_indices(closed.jaxpr, tags.param_tag_p)
-    driven = _optimizer_driven(closed.jaxpr, own, {i for i in ungraded if i in linearized and i not in own},
+    driven = _optimizer_driven(closed.jaxpr, own, {i for i in ungraded if i in linearized and i not in with_state},
                                in_roles, sum(per_arg_counts[:n_state_args]))
     differentiated = set(differentiated) | driven
     ungraded = tuple(i for i in ungraded if i not in driven)

@@ -45,6 +45,12 @@ def test_only_the_last_reply_is_trained(tmp_path):
     ({"messages": [CHAT["messages"][1], {"role": "assistant", "content": "  "}]},
      "last assistant message \\(the answer trained on\\) is empty"),
     ({"instruction": "Add.", "input": "2 3", "output": ""}, "empty 'output'"),
+    # once dropped without a word: a misspelt input, or history and system fields left out of the prompt
+    ({"instruction": "ab", "output": "AB", "inptu": "extra text"}, "holds only 'instruction', 'input' and"
+                                                                    " 'output', not 'inptu'"),
+    ({"instruction": "ab", "output": "AB", "history": [], "system": "x"}, "not 'history', 'system'"),
+    # the last of two equal keys once won silently (trained on "ZZ")
+    ('{"instruction": "ab", "output": "AB", "output": "ZZ"}', r"key 'output' given twice in one object"),
 ])
 def test_bad_chat_records_name_the_line(tmp_path, record, message):
     p = _write(tmp_path / "d.jsonl", [CHAT, record])

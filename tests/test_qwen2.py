@@ -10,6 +10,7 @@ import torch
 
 from pockjax.models import llama
 from pockjax.models.llama.export import save_gguf
+from pockjax.models.llama.hf import hf_config
 from pockjax.train.finetune import FinetuneConfig, finetune
 
 IDS = [[1, 5, 9, 22, 7, 3, 64, 2, 100, 31]]
@@ -71,6 +72,18 @@ def test_an_unsupported_architecture_names_its_key(tmp_path):
         json.dump({"model_type": "qwen2", "use_sliding_window": True}, f)
     with pytest.raises(llama.UnsupportedModelError, match="use_sliding_window"):
         llama.read_hf_checkpoint(d)
+    # once loaded without a word: a GELU LLaMA trained as SiLU (and exported with hidden_act
+    # "silu"), a sliding window ignored
+    base = {"model_type": "llama", "vocab_size": 32, "hidden_size": 8, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "intermediate_size": 16}
+    for extra, message in (({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+                           ({"sliding_window": 64}, r"sliding-window attention \(sliding_window=64\)")):
+        with pytest.raises(llama.UnsupportedModelError, match=message):
+            hf_config({**base, **extra}, source="config.json")
+    assert hf_config({**base, "hidden_act": "silu", "sliding_window": None}).n_layers == 1
+    # Qwen2 writes a window it does not use
+    assert hf_config({**base, "model_type": "qwen2", "sliding_window": 4096,
+                            "use_sliding_window": False}).arch == "qwen2"
 
 
 def test_finetune_runs_on_a_qwen2_directory_with_lora(qwen, tmp_path):

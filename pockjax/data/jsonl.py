@@ -64,8 +64,8 @@ def load_alpaca_jsonl(path: str | os.PathLike) -> list[Example]:
     Raises:
       DataError: missing file, no records, or a malformed line (binary data,
         not UTF-8, invalid JSON, not an object, missing/non-string
-        ``instruction`` or ``output``, a non-string ``input``, an empty
-        instruction or answer, a chat record that does not end with a user
+        ``instruction`` or ``output``, a non-string ``input``, a key other
+        than these three, an empty instruction or answer, a chat record that does not end with a user
         message and the assistant's reply), with ``path:line`` in the message.
 
     Example:
@@ -100,6 +100,11 @@ def load_alpaca_jsonl(path: str | os.PathLike) -> list[Example]:
             if not isinstance(record[key], str):
                 raise DataError(f"{where}: {key!r} must be a string,"
                                 f" got {type(record[key]).__name__}")
+        extra = sorted(set(record) - {"instruction", "input", "output"})
+        if extra:  # a misspelt 'input', or history / system fields: their text would be left out
+            raise DataError(f"{where}: an Alpaca record holds only 'instruction', 'input' and 'output', not"
+                            f" {', '.join(map(repr, extra))}: rename or remove them (a conversation goes in a"
+                            f" chat record, {{\"messages\": [...]}})")
         inp = record.get("input", "")
         if inp is None:
             inp = ""

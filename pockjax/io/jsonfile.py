@@ -29,6 +29,19 @@ def reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object's dict; a key given twice (where ``json`` keeps the last silently) is an error."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen, twice = set(), []
+        for k, _ in pairs:
+            if k in seen and k not in twice:
+                twice.append(k)
+            seen.add(k)
+        raise ValueError(f"key {', '.join(map(repr, twice))} given twice in one object")
+    return out
+
+
 def loads_checked(text: str, where: str, error: type[FileFormatError] = FileFormatError, *,
                   line_numbers: bool = True) -> Any:
     """:func:`json.loads` without NaN/Infinity; any fault raises ``error`` naming ``where``.
@@ -45,9 +58,13 @@ def loads_checked(text: str, where: str, error: type[FileFormatError] = FileForm
         Traceback (most recent call last):
         ...
         pockjax.errors.FileFormatError: x.json: invalid JSON (NaN is not valid JSON)
+        >>> loads_checked('{"a": 1, "a": 2}', "x.json")
+        Traceback (most recent call last):
+        ...
+        pockjax.errors.FileFormatError: x.json: invalid JSON (key 'a' given twice in one object)
     """
     try:
-        return json.loads(text, parse_constant=reject_constant)
+        return json.loads(text, parse_constant=reject_constant, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         at = f"{where}:{e.lineno}" if line_numbers else where
         raise error(f"{at}: invalid JSON ({e.msg} at column {e.colno})") from None

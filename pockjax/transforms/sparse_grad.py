@@ -34,7 +34,7 @@ import numpy as np
 from pockjax import _compat as C
 from pockjax import tags
 from pockjax.errors import PockjaxError, SchemeError, some
-from pockjax.graph import MODEL_STATE, OPT_STATE, PARAM, PassRecord, TrainGraph
+from pockjax.graph import MODEL_STATE, OPT_STATE, PARAM, PassRecord, TrainGraph, gradient_tag_indices
 from pockjax.scheme import ChannelSelect, Frozen, Full, UpdateScheme
 from pockjax._src import jaxpr as _interp
 from pockjax._src.jaxpr import PrimitiveTable, prims
@@ -237,6 +237,46 @@ def _untagged_values(jaxpr, outer: str = "") -> set:
     return untagged
 
 
+def _refuse_overwritten_parameters(graph: TrainGraph, idx, resolved) -> None:
+    """Refuses a step that sets a parameter the scheme does not train in full from other values
+    than its gradient.
+
+    The loss reads it, so it has a gradient and is a parameter; but the step
+    overwrites it with a value that does not read that gradient and does read
+    something else (a running statistic: ``0.9 * p["mean"] + 0.1 * h.mean(0)``).
+    That is model state used by the loss: under ``jax.jit`` it keeps updating,
+    while a scheme that freezes it would keep its old value, without a word.
+    A value read only from the parameter itself and constants (``set_to_zero``'s
+    ``p + 0``) is not refused.
+    """
+    kept = {i for i, r in zip(idx, resolved) if not isinstance(r, Full)} & gradient_tag_indices(graph.jaxpr)
+    if not kept:
+        return
+    jaxpr = graph.jaxpr
+    deps: dict = {v: frozenset({("in", i)}) for i, v in enumerate(jaxpr.invars)}
+    for e in jaxpr.eqns:
+        got = frozenset().union(*(deps.get(v, frozenset()) for v in e.invars if not isinstance(v, C.Literal)))
+        if e.primitive is tags.grad_tag_p:
+            got |= {("grad", e.params["index"])}
+        elif _interp.sub_jaxprs(e, strict=False):  # the gradients taken inside a loop or branch
+            got |= {("grad", k) for sub in _interp.sub_jaxprs(e, strict=False)
+                    for k in gradient_tag_indices(_interp.open_jaxpr(sub))}
+        for o in e.outvars:
+            deps[o] = got
+    unchanged = _returned_unchanged(graph)
+    other = {i for i, r in enumerate(graph.in_roles) if r != OPT_STATE}
+    hit = [graph.in_paths[i] for v, i in zip(jaxpr.outvars, graph.out_to_in)
+           if i in kept and i not in unchanged and not isinstance(v, C.Literal)
+           and ("grad", i) not in deps[v] and any(("in", j) in deps[v] for j in other - {i})]
+    if hit:
+        raise SchemeError(
+            f"{graph.step_name} sets {some(hit)}, which the loss reads (so it has a gradient) and the scheme"
+            " does not train in full, from other values than its gradient (a running statistic?): pockjax"
+            " would keep its old value where jax.jit updates it. If it is model state, read it under"
+            " jax.lax.stop_gradient in the loss (it is then updated as the step computes it); if it is a"
+            " parameter, update it from its gradient.")
+
+
 def _refuse_untagged_gradients(graph: TrainGraph, resolved) -> None:
     """Refuses a step that updates with a gradient pockjax cannot restrict to the scheme.
 
@@ -297,6 +337,7 @@ def resolve_rules(graph: TrainGraph, scheme: UpdateScheme, *, allow_nothing_trai
         )
     _refuse_trained_but_unchanged(graph, scheme, idx, resolved)
     _refuse_untagged_gradients(graph, resolved)
+    _refuse_overwritten_parameters(graph, idx, resolved)
     return dict(zip(idx, resolved))
 
 

@@ -55,6 +55,14 @@ def hf_config(config_json: dict[str, Any], source: str = "config.json",
             f" {' and '.join(repr(a) for a in ARCHS)} checkpoints (architectures {c.get('architectures')})")
     if arch == "qwen2" and c.get("use_sliding_window"):
         raise UnsupportedModelError(f"{source}: Qwen2 with use_sliding_window is not supported")
+    if arch != "qwen2" and c.get("sliding_window") is not None:  # Qwen2's applies only with use_sliding_window
+        raise UnsupportedModelError(f"{source}: sliding-window attention (sliding_window={c['sliding_window']!r})"
+                                    f" is not supported for model_type {arch!r}: pockjax attends over the whole"
+                                    f" context")
+    act = c.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported for model_type {arch!r}"
+                                    f" (pockjax builds SwiGLU with 'silu')")
     rope = c.get("rope_parameters") or {}
     scaling = c.get("rope_scaling") or {}
     if not isinstance(rope, dict) or not isinstance(scaling, dict):
