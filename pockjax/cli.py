@@ -35,8 +35,18 @@ CHECKOUT_COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (the usage is one ``--help`` away), exit status 2.
+
+    ``add_subparsers`` makes every command's parser of this class too.
+    """
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pockjax", description="Sparse, compile-first fine-tuning in JAX (PockEngine for JAX)."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -73,7 +73,12 @@ class Channels:
         if self.indices is not None:
             # negative indices count from the end, as in Python: indices=[-2, -1]
             # on axis 0 of layers stacked for lax.scan trains the last two layers
-            idx = tuple(sorted(set(int(i) + size if -size <= int(i) < 0 else int(i) for i in self.indices)))
+            given = [int(i) + size if -size <= int(i) < 0 else int(i) for i in self.indices]
+            idx = tuple(sorted(set(given)))
+            twice = sorted({i for i in given if given.count(i) > 1})
+            if twice:  # a typo that would train fewer channels than listed
+                raise ChannelRuleError(f"{path}: channel indices {list(self.indices)} name channel(s) {twice} of"
+                                       f" axis {axis} more than once (negative indices count from the end)")
             bad = [i for i in idx if not 0 <= i < size]
             if bad:
                 raise ChannelRuleError(

@@ -149,6 +149,10 @@ def test_seq_len_beyond_context(tok, tmp_path):
         finetune(cfg(seq_len=512, out=str(tmp_path / "o")), model=tiny_model(), tokenizer=tok,
                  log=lambda s: None)
     assert not (tmp_path / "o").exists()
+    # too short for the examples: the message names the command's option, not Batcher's truncate=True
+    with pytest.raises(SequenceLengthError, match=r"raise --seq-len to at least \d+, or leave --seq-len out"):
+        finetune(cfg(seq_len=24, out=str(tmp_path / "o")), model=tiny_model(), tokenizer=tok, log=lambda s: None)
+    assert not (tmp_path / "o").exists()
 
 
 def test_scheme_file_not_matching_model(tok, tmp_path):

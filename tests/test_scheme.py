@@ -79,6 +79,11 @@ def test_channel_count_larger_than_axis():
         scheme.resolve_tree(PARAMS)
     with pytest.raises(pockjax.ChannelRuleError, match="outside axis"):
         pockjax.UpdateScheme({"norm.scale": pockjax.channels(indices=[7])}).resolve_tree(PARAMS)
+    # once dropped without a word (trained 2 channels of the 3 listed)
+    with pytest.raises(pockjax.ChannelRuleError, match=r"indices \[0, 0, 1\] name channel\(s\) \[0\] .* more than once"):
+        pockjax.UpdateScheme({"norm.scale": pockjax.channels(indices=[0, 0, 1])}).resolve_tree(PARAMS)
+    with pytest.raises(pockjax.ChannelRuleError, match=r"name channel\(s\) \[3\]"):  # -1 is 3 on an axis of 4
+        pockjax.UpdateScheme({"norm.scale": pockjax.channels(indices=[3, -1])}).resolve_tree(PARAMS)
     with pytest.raises(pockjax.SchemeError):
         pockjax.channels(1.5)
 

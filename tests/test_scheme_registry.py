@@ -159,3 +159,17 @@ def test_more_blocks_than_the_model_has_is_one_line_error(capsys):
     assert main(["memory", "--model", "tiny", "--scheme", "paper", "--blocks", "99", "--no-plot"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pockjax memory: error: --blocks 99 is more than the model's 2 blocks") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--scheme", "full", "--blocks", "2"], "--scheme full does not use it"),
+    (["--scheme", "lora", "--blocks", "2"], "--scheme lora does not use it"),
+    (["--task", "add", "--data", "d.jsonl"], "the data file replaces the task; give one of them"),
+], ids=["full-blocks", "lora-blocks", "task-data"])
+def test_finetune_options_that_would_be_ignored_are_refused(capsys, argv, message):
+    # once accepted: --blocks without effect, and a run.json recording a task it did not train on
+    from pockjax.cli import main
+
+    assert main(["finetune", "--out", "never-written", "--no-progress"] + argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

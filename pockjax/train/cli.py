@@ -96,12 +96,18 @@ def run_finetune(args: argparse.Namespace) -> int:
                                              f" {', '.join(sorted(TASKS))} (the vision and text tasks"
                                              " are for --model mobilenetv2 / all-minilm-l6-v2)"))
 
+    given = given_options(args)
+    if "task" in given and args.data:  # the run would record a task it did not train on
+        return _error("finetune", ValueError(f"--task {args.task} and --data {args.data}: the data file replaces"
+                                             " the task; give one of them"))
+    if "blocks" in given and args.scheme not in ("paper", "channels"):
+        return _error("finetune", ValueError(f"--blocks sets how many of the last blocks the paper and channels"
+                                             f" schemes train; --scheme {args.scheme} does not use it (leave it out)"))
     fields = {k: getattr(args, k) for k in (
         "model", "task", "data", "scheme", "blocks", "optimizer", "lr", "steps", "batch_size",
         "seq_len", "seed", "eval_examples", "save_every", "out", "resume", "show", "dtype", "quantize",
         "schedule", "warmup", "grad_clip", "eval_every", "grad_accum", "max_seq_len")}
     fields["mesh"] = mesh
-    given = given_options(args)
     if {"mesh", "devices"} & given:  # --devices N is --mesh data=N: either one replaces the run's mesh
         given.add("mesh")
     if fields["steps"] is None:  # with --resume: the run's own

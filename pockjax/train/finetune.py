@@ -56,6 +56,7 @@ import optax
 
 import pockjax
 from pockjax.data import Batcher, DataError, evaluate_model, load_alpaca_jsonl, train_eval_split
+from pockjax.data.batching import SequenceLengthError
 from pockjax.io.atomic import atomic_directory, file_above, pid_alive, remove_stale_temporaries, write_json
 from pockjax.io.jsonfile import read_json_object
 from pockjax import quant
@@ -915,8 +916,12 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
                             " prunes the backward pass per block there")
     train, held, data_name = _examples(cfg)
     # one optimizer update's rows: grad_accum micro-batches of batch_size
-    batcher = Batcher(tokenizer, train, batch_size=cfg.batch_size * cfg.grad_accum, seq_len=cfg.seq_len,
-                      seed=cfg.seed, max_seq_len=model.config.max_seq_len, bucket_limit=cfg.max_seq_len)
+    try:
+        batcher = Batcher(tokenizer, train, batch_size=cfg.batch_size * cfg.grad_accum, seq_len=cfg.seq_len,
+                          seed=cfg.seed, max_seq_len=model.config.max_seq_len, bucket_limit=cfg.max_seq_len)
+    except SequenceLengthError as e:  # in the command's words: there is no truncate option
+        raise SequenceLengthError(str(e).replace("raise seq_len to at least", "raise --seq-len to at least").replace(
+            " or pass truncate=True", ", or leave --seq-len out (rows as long as the longest example)")) from None
     if cfg.resume:
         scheme = load_scheme_file(os.path.join(out, "scheme.json"))
     else:
