@@ -493,6 +493,12 @@ def test_resume_refuses_a_damaged_array_file(run4, tmp_path, name, how):
     trainer = json.load(open(os.path.join(out, "state", "trainer.json")))
     assert set(trainer["sha256"]) == {"model.safetensors", "state/opt_state.npz"}
     _damage(os.path.join(out, name), how)
+    if how == "truncate":  # its digest removed from the list: refused too
+        tj = os.path.join(out, "state", "trainer.json")
+        json.dump({**trainer, "sha256": {k: v for k, v in trainer["sha256"].items() if k != name}}, open(tj, "w"))
+        with pytest.raises(FinetuneError, match=f"sha256 lists no digest for {name}"):
+            finetune(cfg(out=out, resume=True, steps=6), **QUIET)
+        json.dump(trainer, open(tj, "w"))
     with pytest.raises(FinetuneError, match=f"cannot resume from .*{name}.* is not the file this run wrote"):
         finetune(cfg(out=out, resume=True, steps=6), **QUIET)
 
@@ -508,11 +514,13 @@ def test_resume_without_digests_still_refuses_a_broken_or_mistyped_state(run4, t
     npz = os.path.join(out, "state", "opt_state.npz")
     good = open(npz, "rb").read()
     _damage(npz, "truncate")
-    with pytest.raises(FinetuneError, match="training state is unreadable \\(BadZipFile"):
+    with pytest.raises(FinetuneError, match="training state is unreadable \\(BadZipFile"), \
+            pytest.warns(UserWarning, match="records no sha256 digests .* cannot be checked for damage"):
         finetune(cfg(out=out, resume=True, steps=6), **QUIET)
     open(npz, "wb").write(good)
     z = dict(np.load(npz))
     z["leaf_0000"] = np.float32(2.7)  # the step count, an int32
     np.savez(npz, **z)
-    with pytest.raises(FinetuneError, match="optimizer state leaf 0 in state/opt_state.npz is float32"):
+    with pytest.raises(FinetuneError, match="optimizer state leaf 0 in state/opt_state.npz is float32"), \
+            pytest.warns(UserWarning, match="records no sha256 digests"):
         finetune(cfg(out=out, resume=True, steps=6), **QUIET)

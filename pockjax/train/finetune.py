@@ -46,6 +46,7 @@ import resource
 import shutil
 import sys
 import time
+import warnings
 import zipfile
 from typing import Any, Callable
 
@@ -523,9 +524,17 @@ def _read_state(out: str) -> tuple[dict, list[np.ndarray]]:
         n = trainer.get("opt_state_leaves")
         if type(n) is not int or n < 0 or type(trainer.get("step")) is not int:
             raise ValueError(f"{tj} lacks an integer step and opt_state_leaves")
-        digests = trainer.get("sha256", {})  # absent in a run written before 2026-11-27
+        digests = trainer.get("sha256")
+        if digests is None:  # a run written before 2026-11-27
+            warnings.warn(f"{tj} records no sha256 digests (a run written before 2026-11-27, or the entry was"
+                          " removed): the weight and optimizer-state files cannot be checked for damage",
+                          stacklevel=2)
+            digests = {}
         if not isinstance(digests, dict):
             raise ValueError(f"{tj}: sha256 is not a mapping of file names to digests")
+        unlisted = sorted(set(_resume_files(out)) - set(digests)) if digests else []
+        if unlisted:
+            raise ValueError(f"{tj}: sha256 lists no digest for {', '.join(unlisted)}, which the run wrote")
         for rel, digest in sorted(digests.items()):
             if ".." in rel.split(os.sep) or os.path.isabs(rel):
                 raise ValueError(f"{tj}: sha256 names a file outside the run: {rel!r}")
