@@ -349,10 +349,13 @@ def _optimizer_driven(jaxpr, own_state: set, stateless: set, in_roles, n_state_l
     state (``own_state``, :func:`_updated_by_own_state`), or a stateless
     optimizer's decay (``chain(add_decayed_weights(wd), sgd(lr))``; the
     candidates in ``stateless``), which must scale the leaf on the way
-    (``wd * p``). Either way its new value reads the leaf itself and nothing
-    else but constants, optimizer state, gradients and scalars computed from
-    the parameters with this one among them (a global norm over the updates).
-    Then it is a parameter, and a scheme that freezes it keeps it.
+    (``wd * p``). Either way its new value is ``leaf + update``
+    (``optax.apply_updates``) and reads the leaf itself and nothing else but
+    constants, optimizer state, gradients and scalars: under its own state
+    any scalar (a learning rate, ``reduce_on_plateau``'s scale), under a
+    stateless optimizer those computed from the parameters with this one
+    among them (a global norm over the updates). Then it is a parameter, and
+    a scheme that freezes it keeps it.
     Everything else stays model state, updated as the step computes it: a
     scalar (a loss average, a counter), a leaf the step shifts but never
     scales (``c + 1``) or rebuilds from constants (a reset), and one whose
@@ -365,17 +368,27 @@ def _optimizer_driven(jaxpr, own_state: set, stateless: set, in_roles, n_state_l
         return set()
     clean = {i for i, r in enumerate(in_roles) if r == OPT_STATE}
     params = frozenset(i for i, r in enumerate(in_roles) if r == PARAM)
-    sources, scalars, producer = _input_sources(jaxpr, clean, params)
-    return {i for i, v in zip(range(n_state_leaves), jaxpr.outvars)
-            if (i in own_state or i in stateless) and not isinstance(v, C.Literal) and v is not jaxpr.invars[i]
-            and sources.get(v) == frozenset({i}) and (not scalars.get(v) or i in scalars[v])
-            and (i in own_state or _applied_update(v, jaxpr.invars[i], i, sources, producer))}
+    found = set()
+    outs = [(i, v) for i, v in zip(range(n_state_leaves), jaxpr.outvars)
+            if not isinstance(v, C.Literal) and v is not jaxpr.invars[i]]
+    if own_state:
+        # its own state reads the gradient: any scalar (a learning rate, a global norm, the
+        # loss reduce_on_plateau scales by) is a hyperparameter of that update
+        sources, _, producer = _input_sources(jaxpr, clean, lambda got: True)
+        found |= {i for i, v in outs if i in own_state and sources.get(v) == frozenset({i})
+                  and _applied_update(v, jaxpr.invars[i], i, sources, producer, scaled=False)}
+    if stateless:
+        sources, scalars, producer = _input_sources(jaxpr, clean, lambda got: got <= params)
+        found |= {i for i, v in outs if i in stateless and sources.get(v) == frozenset({i})
+                  and (not scalars.get(v) or i in scalars[v])
+                  and _applied_update(v, jaxpr.invars[i], i, sources, producer, scaled=True)}
+    return found
 
 
-def _input_sources(jaxpr, clean: set, params: frozenset) -> tuple[dict, dict, dict]:
+def _input_sources(jaxpr, clean: set, free_scalar: Callable[[frozenset], bool]) -> tuple[dict, dict, dict]:
     """``(sources, scalars, producer)`` over ``jaxpr``'s top level: for each variable, the
-    input indices it reads; the parameters read through scalars computed from
-    parameters alone (a global norm over updates), which ``sources`` leaves out; and
+    input indices it reads; those read through the scalars ``free_scalar`` of their
+    sources exempts (a global norm over the updates), which ``sources`` leaves out; and
     the equation computing it. Inputs in ``clean`` and gradient tags' outputs read nothing.
     """
     sources: dict = {v: frozenset() if i in clean else frozenset({i}) for i, v in enumerate(jaxpr.invars)}
@@ -388,7 +401,7 @@ def _input_sources(jaxpr, clean: set, params: frozenset) -> tuple[dict, dict, di
             got = frozenset().union(*(sources.get(v, frozenset()) for v in ins))
             via = frozenset().union(*(scalars.get(v, frozenset()) for v in ins))
         for o in e.outvars:
-            if not o.aval.shape and got <= params:
+            if not o.aval.shape and free_scalar(got):
                 sources[o], scalars[o] = frozenset(), via | got
             else:
                 sources[o], scalars[o] = got, via
@@ -396,11 +409,13 @@ def _input_sources(jaxpr, clean: set, params: frozenset) -> tuple[dict, dict, di
     return sources, scalars, producer
 
 
-def _applied_update(v, leaf, i: int, sources: dict, producer: dict) -> bool:
+def _applied_update(v, leaf, i: int, sources: dict, producer: dict, *, scaled: bool) -> bool:
     """Whether ``v`` is ``leaf + update`` (``optax.apply_updates``; the leaf maybe cast first),
-    the update a scaling of the leaf (weight decay's ``-lr * wd * p``), not the step's own
-    rule (``p * 0.9``, ``p * 0.9 + 1``)."""
+    with ``scaled`` the update a scaling of the leaf (weight decay's ``-lr * wd * p``): not
+    the step's own rule (``p * 0.9``, ``p * 0.9 + 1``, ``new_p + 1``)."""
     e = producer.get(v)
+    while e is not None and e.primitive.name == "convert_element_type":  # apply_updates casts back
+        e = producer.get(e.invars[0]) if not isinstance(e.invars[0], C.Literal) else None
     if e is None or e.primitive.name not in ("add", "add_any") or len(e.invars) != 2:
         return False
 
@@ -413,7 +428,7 @@ def _applied_update(v, leaf, i: int, sources: dict, producer: dict) -> bool:
         return a is leaf
 
     for a, b in (e.invars, e.invars[::-1]):
-        if is_leaf(a) and not isinstance(b, C.Literal) and _scaled_on_the_way(b, i, sources, producer):
+        if is_leaf(a) and not isinstance(b, C.Literal) and (not scaled or _scaled_on_the_way(b, i, sources, producer)):
             return True
     return False
 

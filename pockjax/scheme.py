@@ -14,6 +14,7 @@ Rules are ``"full"``, ``"frozen"``, :func:`channels` or :func:`lora`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import difflib
 import math
@@ -75,7 +76,7 @@ class Channels:
             # on axis 0 of layers stacked for lax.scan trains the last two layers
             given = [int(i) + size if -size <= int(i) < 0 else int(i) for i in self.indices]
             idx = tuple(sorted(set(given)))
-            twice = sorted({i for i in given if given.count(i) > 1})
+            twice = sorted(i for i, n in collections.Counter(given).items() if n > 1)
             if twice:  # a typo that would train fewer channels than listed
                 raise ChannelRuleError(f"{path}: channel indices {list(self.indices)} name channel(s) {twice} of"
                                        f" axis {axis} more than once (negative indices count from the end)")

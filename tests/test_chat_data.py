@@ -17,6 +17,14 @@ def _write(path, records):
     return path
 
 
+def test_alpaca_metadata_keys_are_ignored(tmp_path):
+    # exports carry an id, a category or the formatted text: no text of the prompt is lost
+    p = _write(tmp_path / "d.jsonl", [{"instruction": "Add.", "input": "2 3", "output": "5", "id": 7,
+                                       "category": "math", "text": "### Instruction: Add. ..."}])
+    (ex,) = load_alpaca_jsonl(p)
+    assert ex.answer == "5" and "2 3" in ex.prompt
+
+
 def test_chat_and_alpaca_records_mix(tmp_path):
     p = _write(tmp_path / "d.jsonl", [CHAT, {"instruction": "Add.", "input": "2 3", "output": "5"}])
     chat, alpaca = load_alpaca_jsonl(p)
@@ -46,9 +54,8 @@ def test_only_the_last_reply_is_trained(tmp_path):
      "last assistant message \\(the answer trained on\\) is empty"),
     ({"instruction": "Add.", "input": "2 3", "output": ""}, "empty 'output'"),
     # once dropped without a word: a misspelt input, or history and system fields left out of the prompt
-    ({"instruction": "ab", "output": "AB", "inptu": "extra text"}, "holds only 'instruction', 'input' and"
-                                                                    " 'output', not 'inptu'"),
-    ({"instruction": "ab", "output": "AB", "history": [], "system": "x"}, "not 'history', 'system'"),
+    ({"instruction": "ab", "output": "AB", "inptu": "extra text"}, "'inptu' would be left out of the prompt"),
+    ({"instruction": "ab", "output": "AB", "history": [], "system": "x"}, "'history', 'system' would be left out"),
     # the last of two equal keys once won silently (trained on "ZZ")
     ('{"instruction": "ab", "output": "AB", "output": "ZZ"}', r"key 'output' given twice in one object"),
 ])

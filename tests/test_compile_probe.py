@@ -776,7 +776,7 @@ def test_statistics_in_a_differentiated_tree_stay_model_state(tx):
     # decay alone moves, is one.
     params = {"w": jnp.full((4, 4), 0.1), "u": jnp.ones((4,)), "loss_ema": jnp.ones(()), "count": jnp.zeros(()),
               "vcount": jnp.zeros((3,)), "acc": jnp.ones((2,)), "xscale": jnp.ones((4,)), "wstat": jnp.ones((4,)),
-              "temp": jnp.full((5,), 2.0), "affine": jnp.full((5,), 2.0)}
+              "temp": jnp.full((5,), 2.0), "affine": jnp.full((5,), 2.0), "after": jnp.zeros((3,))}
     x = jnp.ones((2, 4)) * 1.5
 
     def step(params, s, x):
@@ -787,7 +787,8 @@ def test_statistics_in_a_differentiated_tree_stay_model_state(tx):
                 "vcount": params["vcount"] + 1.0, "acc": jnp.zeros_like(params["acc"]),
                 "xscale": params["xscale"] * jnp.mean(x ** 2),
                 "wstat": 0.9 * params["wstat"] + 0.1 * jnp.abs(new["w"]).max(),
-                "temp": params["temp"] * 0.9, "affine": params["affine"] * 0.9 + 1.0}, s
+                "temp": params["temp"] * 0.9, "affine": params["affine"] * 0.9 + 1.0,
+                "after": new["after"] + 1.0}, s  # a counter of the optimizer's output (read its AdamW state)
 
     traced = pockjax.trace_step(step, (params, tx.init(params), x))
     roles = {p: r for p, r in zip(traced.in_paths, traced.in_roles) if p in params}
@@ -799,6 +800,42 @@ def test_statistics_in_a_differentiated_tree_stay_model_state(tx):
         want = params["u"] if k == "u" else ref[k]  # u: frozen by the scheme, kept
         np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want), atol=1e-7, err_msg=k)
     assert not np.array_equal(np.asarray(ref["u"]), np.asarray(params["u"]))  # jax.jit decays it
+
+
+def test_sam_with_its_loss_under_jax_jit_is_refused_too():
+    # inlining the loss's jit dropped the backward pass's name stack, and the second
+    # gradient went unnoticed: 'head' ended 0.016 away from jax.jit with 'enc' untrained
+    p, x, y = _sam_data()
+
+    def step(p, s, x, y):
+        loss = jax.jit(_two_layer_loss)
+        g1 = jax.grad(loss)(p, x, y)
+        g2 = jax.grad(loss)(jax.tree.map(lambda a, g: a + 0.5 * g / optax.tree.norm(g1), p, g1), x, y)
+        u, s = _SAM_TX.update(g2, s, p)
+        return optax.apply_updates(p, u), s
+
+    with pytest.raises(pockjax.SchemeError, match="gradient taken at a value computed from the parameters"):
+        pockjax.compile(step, scheme=pockjax.UpdateScheme({"head": "full"}))(p, _SAM_TX.init(p), x, y)
+
+
+def test_a_loss_at_an_adversarial_batch_may_drive_the_optimizer():
+    # reduce_on_plateau reads the loss at x + eps * sign(grad_x): a value, not a gradient
+    tx = optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau())
+    p, x, y = _sam_data()
+
+    def step(p, s, x, y, zero_frozen=False):
+        gx = jax.grad(_two_layer_loss, argnums=1)(p, x, y)
+        loss, g = jax.value_and_grad(_two_layer_loss)(p, x + 0.1 * jnp.sign(gx), y)
+        if zero_frozen:
+            g = {**g, "enc": jnp.zeros_like(g["enc"])}
+        u, s = tx.update(g, s, p, value=loss)
+        return optax.apply_updates(p, u), s, loss
+
+    got = pockjax.compile(step, scheme=pockjax.UpdateScheme({"head": "full"}))(
+        jax.tree.map(jnp.copy, p), tx.init(p), x, y)
+    ref = jax.jit(functools.partial(step, zero_frozen=True))(jax.tree.map(jnp.copy, p), tx.init(p), x, y)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
 @pytest.mark.parametrize("tx", [optax.adamw(0.1), optax.apply_if_finite(optax.adamw(0.1), 3),
@@ -1003,3 +1040,70 @@ def test_a_sparse_state_missing_a_model_state_leafs_state_says_to_pass_the_full_
     got = f(jax.tree.map(jnp.copy, params), tx.init(params), x, y)[0]
     ref = jax.jit(step)(jax.tree.map(jnp.copy, params), tx.init(params), x, y)[0]
     np.testing.assert_allclose(np.asarray(got["stats"]), np.asarray(ref["stats"]), atol=1e-7)
+
+
+@pytest.mark.parametrize("after", ["reduce_on_plateau", "clip_by_global_norm"])
+def test_set_to_zero_then_a_global_scale_is_not_taken_for_an_overwritten_statistic(after):
+    # multi_transform's set_to_zero freezes 'enc' as p + scale * 0; a scale read from the loss or
+    # the other updates made that read the batch, and the step was refused (review finding)
+    params = {"enc": jnp.full((4, 3), 0.1), "head": jnp.ones((3, 1))}
+    x, y = jnp.arange(8.0).reshape(2, 4) / 8, jnp.ones((2, 1))
+    inner = optax.multi_transform({"a": optax.adam(0.1), "z": optax.set_to_zero()}, {"enc": "z", "head": "a"})
+    tx = optax.chain(inner, optax.contrib.reduce_on_plateau() if after == "reduce_on_plateau"
+                     else optax.clip_by_global_norm(1.0))
+
+    def step(p, s, x, y):
+        loss, g = jax.value_and_grad(_two_layer_loss_named)(p, x, y)
+        u, s = tx.update(g, s, p, value=loss)
+        return optax.apply_updates(p, u), s, loss
+
+    got = pockjax.compile(step, scheme=pockjax.UpdateScheme({"head": "full"}))(
+        jax.tree.map(jnp.copy, params), tx.init(params), x, y)
+    ref = jax.jit(step)(jax.tree.map(jnp.copy, params), tx.init(params), x, y)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def _two_layer_loss_named(p, x, y):
+    return jnp.mean((jnp.tanh(x @ p["enc"]) @ p["head"] - y) ** 2)
+
+
+def test_a_statistic_fed_from_a_scan_is_refused_too():
+    # the scan's outputs once read every gradient taken inside it, the statistic its own among them
+    tx = optax.adamw(0.1)
+    params = {"w": jnp.full((4, 3), 0.1), "head": jnp.ones((3, 1)), "mean": jnp.zeros((3,))}
+    x, y = jnp.arange(8.0).reshape(2, 4) / 8, jnp.ones((2, 1))
+
+    def step(p, s, x, y):
+        def micro(acc, b):
+            def loss(q):
+                h = jnp.tanh(b[0] @ q["w"])
+                return jnp.mean(((h - q["mean"]) @ q["head"] - b[1]) ** 2), h
+            (_, h), g = jax.value_and_grad(loss, has_aux=True)(p)
+            return jax.tree.map(jnp.add, acc, g), h.mean(0)
+        g, hm = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, p), (x[:, None], y[:, None]))
+        u, s = tx.update(g, s, p)
+        return {**optax.apply_updates(p, u), "mean": 0.9 * p["mean"] + 0.1 * hm.mean(0)}, s
+
+    with pytest.raises(pockjax.SchemeError, match="sets 'mean', which the loss reads"):
+        pockjax.compile(step, scheme=pockjax.UpdateScheme({"head": "full"}))(
+            jax.tree.map(jnp.copy, params), tx.init(params), x, y)
+
+
+def test_an_unread_parameter_under_adamw_and_reduce_on_plateau_stays_a_parameter():
+    # the plateau's scale reads the loss (the batch): the own-state rule once called the unread,
+    # decaying 'u' model state, and a scheme that freezes it let it decay
+    tx = optax.chain(optax.adamw(0.1, weight_decay=0.5), optax.contrib.reduce_on_plateau())
+    params = {"w": jnp.full((4, 4), 0.1), "u": jnp.ones((4,))}
+    x = jnp.ones((2, 4))
+
+    def step(p, s, x):
+        loss, g = jax.value_and_grad(lambda q: jnp.sum(jnp.tanh(x @ q["w"])))(p)
+        u, s = tx.update(g, s, p, value=loss)
+        return optax.apply_updates(p, u), s
+
+    traced = pockjax.trace_step(step, (params, tx.init(params), x))
+    assert dict(zip(traced.in_paths[:2], traced.in_roles[:2])) == {"u": "param", "w": "param"}
+    got = pockjax.compile(step, scheme=pockjax.UpdateScheme({"w": "full"}))(
+        jax.tree.map(jnp.copy, params), tx.init(params), x)[0]
+    np.testing.assert_array_equal(np.asarray(got["u"]), np.asarray(params["u"]))

@@ -165,11 +165,15 @@ def test_more_blocks_than_the_model_has_is_one_line_error(capsys):
     (["--scheme", "full", "--blocks", "2"], "--scheme full does not use it"),
     (["--scheme", "lora", "--blocks", "2"], "--scheme lora does not use it"),
     (["--task", "add", "--data", "d.jsonl"], "the data file replaces the task; give one of them"),
-], ids=["full-blocks", "lora-blocks", "task-data"])
-def test_finetune_options_that_would_be_ignored_are_refused(capsys, argv, message):
+    (["--scheme", "SCHEME_FILE", "--blocks", "2"], "does not use it"),
+], ids=["full-blocks", "lora-blocks", "task-data", "file-blocks"])
+def test_finetune_options_that_would_be_ignored_are_refused(capsys, tmp_path, argv, message):
     # once accepted: --blocks without effect, and a run.json recording a task it did not train on
     from pockjax.cli import main
 
+    scheme_file = tmp_path / "s.json"
+    scheme_file.write_text('{"rules": {"layers.*.attn_norm.scale": "full"}}')
+    argv = [str(scheme_file) if a == "SCHEME_FILE" else a for a in argv]
     assert main(["finetune", "--out", "never-written", "--no-progress"] + argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1

@@ -64,8 +64,9 @@ def load_alpaca_jsonl(path: str | os.PathLike) -> list[Example]:
     Raises:
       DataError: missing file, no records, or a malformed line (binary data,
         not UTF-8, invalid JSON, not an object, missing/non-string
-        ``instruction`` or ``output``, a non-string ``input``, a key other
-        than these three, an empty instruction or answer, a chat record that does not end with a user
+        ``instruction`` or ``output``, a non-string ``input``, a key whose
+        text would be dropped (a misspelt ``input``, ``history``, ``system``),
+        an empty instruction or answer, a chat record that does not end with a user
         message and the assistant's reply), with ``path:line`` in the message.
 
     Example:
@@ -100,11 +101,12 @@ def load_alpaca_jsonl(path: str | os.PathLike) -> list[Example]:
             if not isinstance(record[key], str):
                 raise DataError(f"{where}: {key!r} must be a string,"
                                 f" got {type(record[key]).__name__}")
-        extra = sorted(set(record) - {"instruction", "input", "output"})
-        if extra:  # a misspelt 'input', or history / system fields: their text would be left out
-            raise DataError(f"{where}: an Alpaca record holds only 'instruction', 'input' and 'output', not"
-                            f" {', '.join(map(repr, extra))}: rename or remove them (a conversation goes in a"
-                            f" chat record, {{\"messages\": [...]}})")
+        dropped = _dropped_text_keys(record)
+        if dropped:  # a misspelt 'input', or history / system fields: their text would be left out
+            raise DataError(f"{where}: {', '.join(map(repr, dropped))} would be left out of the prompt: an Alpaca"
+                            f" record's text is 'instruction', 'input' and 'output' (other keys, such as 'id' or"
+                            f" 'category', are ignored). Rename or remove it; a conversation goes in a chat"
+                            f" record, {{\"messages\": [...]}}")
         inp = record.get("input", "")
         if inp is None:
             inp = ""
@@ -125,6 +127,21 @@ def load_alpaca_jsonl(path: str | os.PathLike) -> list[Example]:
     if not examples:
         raise DataError(f"{path} holds no records")
     return examples
+
+
+_ALPACA_KEYS = ("instruction", "input", "output")
+#: Keys other Alpaca-style formats put text in: pockjax would drop that text.
+_TEXT_KEYS = frozenset({"history", "system", "system_prompt", "context", "conversation", "conversations"})
+
+
+def _dropped_text_keys(record: dict) -> list[str]:
+    """The keys of an Alpaca record whose text the prompt would leave out: a misspelt
+    ``instruction`` / ``input`` / ``output`` (``inptu``, ``Input``) or a text field of
+    another format (``history``, ``system``). Metadata (``id``, ``category``, ``text``) passes."""
+    import difflib
+
+    return sorted(k for k in record if k not in _ALPACA_KEYS and (
+        k.lower() in _TEXT_KEYS or difflib.get_close_matches(k.lower(), _ALPACA_KEYS, n=1, cutoff=0.8)))
 
 
 _ROLES = ("system", "user", "assistant")

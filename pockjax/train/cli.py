@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from pockjax._cli_args import (StoreGiven, float_in, given_options, non_negative_finite_float,
@@ -100,7 +101,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     if "task" in given and args.data:  # the run would record a task it did not train on
         return _error("finetune", ValueError(f"--task {args.task} and --data {args.data}: the data file replaces"
                                              " the task; give one of them"))
-    if "blocks" in given and args.scheme not in ("paper", "channels"):
+    if "blocks" in given and (args.scheme in ("full", "norm-only", "lora") or os.path.isfile(args.scheme)):
         return _error("finetune", ValueError(f"--blocks sets how many of the last blocks the paper and channels"
                                              f" schemes train; --scheme {args.scheme} does not use it (leave it out)"))
     fields = {k: getattr(args, k) for k in (

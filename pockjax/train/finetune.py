@@ -399,14 +399,10 @@ def write_output(out: str, *, model: Any, tokenizer: Any, scheme: pockjax.Update
 
 
 def _resume_files(directory: str) -> list[str]:
-    """The array files ``--resume`` reads back (relative paths): the weights, adapters and optimizer state."""
-    found = []
-    for sub in ("", "state"):
-        folder = os.path.join(directory, sub)
-        if os.path.isdir(folder):
-            found += [os.path.join(sub, n) if sub else n for n in sorted(os.listdir(folder))
-                      if n.endswith(".safetensors") or n == "opt_state.npz"]
-    return found
+    """The array files ``--resume`` reads back (relative paths) that ``directory`` holds: the
+    weights, adapters and optimizer state (a file a user put beside them is not one)."""
+    names = ("model.safetensors", os.path.join("state", ADAPTERS_FILE), os.path.join("state", "opt_state.npz"))
+    return [n for n in names if os.path.isfile(os.path.join(directory, n))]
 
 
 def _resume_digests(directory: str) -> dict[str, str]:

@@ -253,21 +253,12 @@ def _refuse_overwritten_parameters(graph: TrainGraph, idx, resolved) -> None:
     if not kept:
         return
     jaxpr = graph.jaxpr
-    deps: dict = {v: frozenset({("in", i)}) for i, v in enumerate(jaxpr.invars)}
-    for e in jaxpr.eqns:
-        got = frozenset().union(*(deps.get(v, frozenset()) for v in e.invars if not isinstance(v, C.Literal)))
-        if e.primitive is tags.grad_tag_p:
-            got |= {("grad", e.params["index"])}
-        elif _interp.sub_jaxprs(e, strict=False):  # the gradients taken inside a loop or branch
-            got |= {("grad", k) for sub in _interp.sub_jaxprs(e, strict=False)
-                    for k in gradient_tag_indices(_interp.open_jaxpr(sub))}
-        for o in e.outvars:
-            deps[o] = got
+    out_deps = _dependencies(jaxpr, [frozenset({("in", i)}) for i in range(len(jaxpr.invars))])
     unchanged = _returned_unchanged(graph)
     other = {i for i, r in enumerate(graph.in_roles) if r != OPT_STATE}
-    hit = [graph.in_paths[i] for v, i in zip(jaxpr.outvars, graph.out_to_in)
+    hit = [graph.in_paths[i] for d, v, i in zip(out_deps, jaxpr.outvars, graph.out_to_in)
            if i in kept and i not in unchanged and not isinstance(v, C.Literal)
-           and ("grad", i) not in deps[v] and any(("in", j) in deps[v] for j in other - {i})]
+           and ("grad", i) not in d and any(("in", j) in d for j in other - {i})]
     if hit:
         raise SchemeError(
             f"{graph.step_name} sets {some(hit)}, which the loss reads (so it has a gradient) and the scheme"
@@ -275,6 +266,48 @@ def _refuse_overwritten_parameters(graph: TrainGraph, idx, resolved) -> None:
             " would keep its old value where jax.jit updates it. If it is model state, read it under"
             " jax.lax.stop_gradient in the loss (it is then updated as the step computes it); if it is a"
             " parameter, update it from its gradient.")
+
+
+def _dependencies(jaxpr, in_deps: list) -> list:
+    """What each output of ``jaxpr`` reads: ``("in", i)`` for input ``i`` (as ``in_deps``
+    gives the inputs'), ``("grad", k)`` for parameter ``k``'s gradient tag.
+
+    A scalar passes on only the gradients it reads: a learning rate, a global norm or a
+    loss that scales every update (``reduce_on_plateau``) does not make a frozen
+    parameter's ``p + scale * 0`` read the batch. A ``scan`` is followed position by
+    position (its carries to a fixed point); another loop or branch gives each output
+    all its inputs and the gradients taken inside it.
+    """
+    deps: dict = dict(zip(jaxpr.invars, in_deps))
+    empty = frozenset()
+    for e in jaxpr.eqns:
+        ins = [empty if isinstance(v, C.Literal) else deps.get(v, empty) for v in e.invars]
+        every = empty.union(*ins)
+        if e.primitive is tags.grad_tag_p:
+            outs = [every | {("grad", e.params["index"])}]
+        elif e.primitive.name == "scan":
+            outs = _scan_dependencies(e, ins)
+        elif _interp.sub_jaxprs(e, strict=False):
+            outs = [every | {("grad", k) for sub in _interp.sub_jaxprs(e, strict=False)
+                             for k in gradient_tag_indices(_interp.open_jaxpr(sub))}] * len(e.outvars)
+        else:
+            outs = [every] * len(e.outvars)
+        for o, d in zip(e.outvars, outs):
+            deps[o] = d if o.aval.shape else frozenset(x for x in d if x[0] == "grad")
+    return [empty if isinstance(v, C.Literal) else deps.get(v, empty) for v in jaxpr.outvars]
+
+
+def _scan_dependencies(eqn, ins: list) -> list:
+    body = _interp.open_jaxpr(eqn.params["jaxpr"])
+    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    carry = ins[n_consts:n_consts + n_carry]
+    for _ in range(8):  # an iteration's carry feeds the next: to a fixed point
+        outs = _dependencies(body, ins[:n_consts] + carry + ins[n_consts + n_carry:])
+        grown = [c | o for c, o in zip(carry, outs[:n_carry])]
+        if grown == carry:
+            break
+        carry = grown
+    return [c | o for c, o in zip(carry, outs[:n_carry])] + outs[n_carry:]
 
 
 def _refuse_untagged_gradients(graph: TrainGraph, resolved) -> None:
