@@ -64,15 +64,14 @@ def main(argv=None) -> None:
 
     variants = {}
     for name, barrier in (("barrier", True), ("no barrier", False)):
-        low_rank._RANK_FIRST_BARRIER = barrier
-        f = pockjax.compile(answer_train_step(graphdef, tx, a.window), scheme=scheme,
+        passes = pockjax.default_passes(scheme, sparse_opt_state=True, rank_first_barrier=barrier)
+        f = pockjax.compile(answer_train_step(graphdef, tx, a.window), scheme=scheme, passes=passes,
                             xla_options=ANSWER_STEP_XLA_OPTIONS if on_cpu else None)
         p = jax.tree.map(jnp.copy, base)  # the compiled step donates its params
         o = pockjax.init_opt_state(tx, p, scheme)
         p, o, loss = f(p, o, batch)  # compiles
         jax.block_until_ready(loss)
         variants[name] = {"f": f, "p": p, "o": o, "times": []}
-    low_rank._RANK_FIRST_BARRIER = None
 
     for _ in range(a.rounds):
         for v in variants.values():

@@ -554,7 +554,7 @@ class CompiledFunction:
                 f" argument(s) {', '.join(sorted(kwargs))}: pass them positionally, in the step's order")
         try:
             return self._call(*args)
-        except (jax.errors.JaxRuntimeError, ValueError, RuntimeError) as e:
+        except (ValueError, RuntimeError) as e:  # JaxRuntimeError is a RuntimeError
             if "has been deleted" in str(e):
                 message = _deleted_arrays_message(step_name(self.step), args, self.donate)
                 if message is not None:

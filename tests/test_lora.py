@@ -146,7 +146,8 @@ def test_adapter_a_gradient_is_computed_rank_first_and_runs_on_iree():
 
 
 def test_the_rank_first_barrier_is_pinned_on_a_cpu_backend_only(monkeypatch):
-    # On an H100 the barrier cost 2.7% of a llama-1b LoRA step: a GPU backend goes without
+    # On an H100 the barrier bought nothing (20.58 against 20.02 ms, 20.71 against 20.64 ms
+    # per llama-1b LoRA step): a GPU backend goes without
     from pockjax.transforms import low_rank
 
     cfg, graphdef, params, batch = _tiny()
@@ -154,20 +155,20 @@ def test_the_rank_first_barrier_is_pinned_on_a_cpu_backend_only(monkeypatch):
     p = pockjax.add_adapters(params, scheme)
     tx = optax.sgd(0.1)
 
-    def barriers():
-        step = pockjax.compile(answer_train_step(graphdef, tx, window=2), scheme=scheme)
+    def barriers(passes=None):
+        step = pockjax.compile(answer_train_step(graphdef, tx, window=2), scheme=scheme, passes=passes)
         eqns = step.lower(p, pockjax.init_opt_state(tx, p, scheme), batch).graph.jaxpr.eqns
         return sum(e.primitive.name == "optimization_barrier" for e in eqns)
 
-    assert low_rank._RANK_FIRST_BARRIER is None and barriers() == 4 * cfg.n_layers
+    assert barriers() == 4 * cfg.n_layers
     monkeypatch.setattr(low_rank.jax, "default_backend", lambda: "gpu")
     assert barriers() == 0
     # an IREE module gets it whatever backend compiles it (an arm64 module built on a GPU host)
     iree = pockjax.compile(answer_train_step(graphdef, tx, window=2), scheme=scheme, target="cpu")
     eqns = iree.lower(p, pockjax.init_opt_state(tx, p, scheme), batch).graph.jaxpr.eqns
     assert sum(e.primitive.name == "optimization_barrier" for e in eqns) == 4 * cfg.n_layers
-    monkeypatch.setattr(low_rank, "_RANK_FIRST_BARRIER", True)  # forced, as the benchmark does
-    assert barriers() == 4 * cfg.n_layers
+    # forced, as the benchmark does
+    assert barriers(pockjax.default_passes(scheme, sparse_opt_state=True, rank_first_barrier=True)) == 4 * cfg.n_layers
 
 
 def test_a_non_product_reader_gets_the_dense_value_once():

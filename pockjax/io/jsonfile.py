@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 from typing import Any
@@ -33,11 +34,7 @@ def _unique_keys(pairs: list) -> dict:
     """A JSON object's dict; a key given twice (where ``json`` keeps the last silently) is an error."""
     out = dict(pairs)
     if len(out) != len(pairs):
-        seen, twice = set(), []
-        for k, _ in pairs:
-            if k in seen and k not in twice:
-                twice.append(k)
-            seen.add(k)
+        twice = [k for k, n in collections.Counter(k for k, _ in pairs).items() if n > 1]
         raise ValueError(f"key {', '.join(map(repr, twice))} given twice in one object")
     return out
 

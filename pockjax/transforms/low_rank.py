@@ -132,20 +132,12 @@ class _Gradient:
 
 _SYMBOLIC = (_Adapted, _Gradient)
 
-#: Pin the rank-first order of the adapter-A gradient (see ``_adapter_grads``) when
-#: :func:`low_rank` is not told: None pins it when JAX's default backend is the CPU,
-#: where it pays, and not on a GPU, where it bought nothing in two runs on an H100
-#: (a llama-1b LoRA step took 20.71 against 20.64 ms with it, then 20.58 against
-#: 20.02 ms). True and False force it; ``benchmarks/lora_barrier.py`` measures both.
-_RANK_FIRST_BARRIER: bool | None = None
-
-
 def _rank_first_barrier(given: bool | None = None) -> bool:
-    if given is not None:
-        return bool(given)
-    if _RANK_FIRST_BARRIER is None:
-        return jax.default_backend() == "cpu"
-    return bool(_RANK_FIRST_BARRIER)
+    """Whether to pin the rank-first order of the adapter-A gradient (``_adapter_grads``):
+    ``given``, or when not told, on JAX's CPU backend, where it pays. On a GPU it bought
+    nothing in two runs on an H100 (a llama-1b LoRA step took 20.71 against 20.64 ms with
+    it, then 20.58 against 20.02 ms); ``benchmarks/lora_barrier.py`` measures both."""
+    return bool(given) if given is not None else jax.default_backend() == "cpu"
 
 
 # -- which values are only adapter gradients ------------------------------------------
@@ -337,8 +329,8 @@ def low_rank(*, rank_first_barrier: bool | None = None) -> Pass:
 
     ``rank_first_barrier``: pin the faster order of the adapter-A gradient on
     a CPU with an ``optimization_barrier`` (:func:`pockjax.compile` gives True
-    for an IREE target, which the barrier does not slow); None: when JAX's
-    default backend is the CPU.
+    for an IREE target, whatever machine compiles it; measured on CPUs only);
+    None: when JAX's default backend is the CPU.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, pockjax
