@@ -361,7 +361,8 @@ def _optimizer_driven(jaxpr, own_state: set, stateless: set, in_roles, n_state_l
     scales (``c + 1``) or rebuilds from constants (a reset), and one whose
     new value mixes in anything else (the batch, an EMA of the new weights
     kept in the tree, a statistic of other weights), even if the optimizer
-    updated it first. Loops and branches count as one equation.
+    updated it first. ``jaxpr`` has its branches as selects
+    (:func:`_branches_as_selects`); a loop counts as one equation.
     """
     stateless = {i for i in stateless if jaxpr.invars[i].aval.shape}
     if not own_state and not stateless:
@@ -447,6 +448,37 @@ def _scaled_on_the_way(v, i: int, sources: dict, producer: dict) -> bool:
             return True
         todo += reads
     return False
+
+
+def _branches_as_selects(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
+    """An analysis view of ``closed`` with no ``cond`` at its top level (or in a call).
+
+    Every branch is inlined and each output selects among them by the index
+    (``apply_if_finite``'s update or zeros; :func:`inline_calls` has already
+    inlined a branch picked by a constant). It computes what the step
+    computes, so the rules that classify leaves by the equations that make their
+    new values see through the branches position by position. Never compiled.
+    """
+    from pockjax._src import jaxpr as core
+
+    if not any(e.primitive is core.P.cond_p for e in closed.jaxpr.eqns):
+        return closed
+
+    def rule(eqn, invals):
+        if eqn.primitive in (C.primitives.jit_p, C.primitives.closed_call_p):
+            body = eqn.params[core.CALL_BODY[eqn.primitive]]
+            return core.eval_jaxpr_with(core.open_jaxpr(body), list(getattr(body, "consts", [])), invals, rule)
+        if eqn.primitive is not core.P.cond_p or eqn.effects:
+            return None
+        branches = eqn.params["branches"]
+        index, ops = invals[0], invals[1:]
+        outs = [core.eval_jaxpr_with(b.jaxpr, b.consts, ops, rule) for b in branches]
+        try:
+            return [jax.lax.select_n(index, *cases) for cases in zip(*outs)]
+        except (TypeError, ValueError):  # a case select_n cannot take (an opaque dtype): as it is
+            return None
+
+    return core.retrace(closed, rule)
 
 
 def _updated_by_own_state(jaxpr, ungraded: set, in_roles, in_paths, shapes, candidates,
@@ -597,12 +629,14 @@ def trace_step(
     # ... unless its optimizer state updates it: a parameter the loss does not read has a zero
     # gradient that autodiff leaves untagged, and AdamW's decay still moves it (a scheme that
     # freezes it must then keep it, as PyTorch's requires_grad=False does).
-    own, with_state = _updated_by_own_state(closed.jaxpr, set(ungraded), in_roles, in_paths,
+    # (looked at with branches as selects: apply_if_finite and MultiSteps update inside a cond)
+    view = _branches_as_selects(closed) if ungraded else closed
+    own, with_state = _updated_by_own_state(view.jaxpr, set(ungraded), in_roles, in_paths,
                                             [a.shape for a in avals], candidates, n_state_args, per_arg_counts)
     # ... or, under an optimizer with no state for it, its weight decay alone moves it; either
     # way only when its new value mixes in nothing else (an EMA kept in the tree stays model state)
     linearized = _tag_indices(closed.jaxpr, tags.param_tag_p)
-    driven = _optimizer_driven(closed.jaxpr, own, {i for i in ungraded if i in linearized and i not in with_state},
+    driven = _optimizer_driven(view.jaxpr, own, {i for i in ungraded if i in linearized and i not in with_state},
                                in_roles, sum(per_arg_counts[:n_state_args]))
     differentiated = set(differentiated) | driven
     ungraded = tuple(i for i in ungraded if i not in driven)
@@ -671,17 +705,26 @@ def inline_calls(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
     A jitted helper (``jnp`` functions are jitted) is a call with no effect on
     what is computed; inlining it lets passes see through it, so, for
     example, a channel slice reaches a weight-gradient ``dot_general`` that
-    autodiff placed inside one. Nested control flow (``scan``...) is kept.
+    autodiff placed inside one. So is a ``cond`` whose index is a constant
+    (its chosen branch). Other control flow (``scan``...) is kept.
     """
     from pockjax._src import jaxpr as core
 
     def has_call(eqn):
         return eqn.primitive in (C.primitives.jit_p, C.primitives.closed_call_p)
 
-    if not any(has_call(e) for e in closed.jaxpr.eqns):
+    def constant_branch(eqn):
+        return eqn.primitive is core.P.cond_p and isinstance(eqn.invars[0], C.Literal) and not eqn.effects
+
+    if not any(has_call(e) or constant_branch(e) for e in closed.jaxpr.eqns):
         return closed
 
     def rule(eqn, invals):
+        if constant_branch(eqn):  # a branch picked by a constant (optax.MultiSteps' skip test)
+            branches = eqn.params["branches"]
+            chosen = branches[int(np.clip(int(invals[0]), 0, len(branches) - 1))]
+            with C.source_context(eqn):
+                return core.eval_jaxpr_with(chosen.jaxpr, chosen.consts, invals[1:], rule)
         if has_call(eqn):
             body = eqn.params[core.CALL_BODY[eqn.primitive]]
             inner = body.jaxpr if hasattr(body, "jaxpr") else body

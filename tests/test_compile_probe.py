@@ -728,8 +728,13 @@ def test_an_nnx_model_and_optimizer_keeps_the_models_paths():
 @pytest.mark.parametrize("tx", [optax.adamw(1e-1, weight_decay=0.5),
                                 optax.chain(optax.add_decayed_weights(0.5), optax.sgd(0.1)),
                                 optax.chain(optax.add_decayed_weights(0.5), optax.clip_by_global_norm(1.0),
-                                            optax.sgd(0.1))],
-                         ids=["adamw", "decay-sgd", "decay-clip-sgd"])
+                                            optax.sgd(0.1)),
+                                # the update is made inside a cond (the skip test, the finite check)
+                                optax.MultiSteps(optax.adamw(1e-1, weight_decay=0.5), 2),
+                                optax.apply_if_finite(optax.adamw(1e-1, weight_decay=0.5), 3),
+                                optax.apply_if_finite(optax.chain(optax.add_decayed_weights(0.5), optax.sgd(0.1)), 3)],
+                         ids=["adamw", "decay-sgd", "decay-clip-sgd", "multisteps-adamw", "if-finite-adamw",
+                              "if-finite-decay-sgd"])
 def test_a_frozen_parameter_the_loss_does_not_read_stays_frozen(tx):
     # Its gradient is a zero autodiff leaves untagged, so pockjax took it for model state:
     # AdamW's weight decay moved the frozen 'b' (1.0 -> 0.95 in a step), and the state of
@@ -755,9 +760,16 @@ def test_a_frozen_parameter_the_loss_does_not_read_stays_frozen(tx):
     trained, frozen = reference(False), reference(True)
     for rules, want in (({"w": "full"}, frozen), ({"w": "full", "b": "full"}, trained)):
         scheme = pockjax.UpdateScheme(rules)
-        for state in (tx.init(params), pockjax.init_opt_state(tx, params, scheme)):
+        for sparse, state in ((False, tx.init(params)), (True, pockjax.init_opt_state(tx, params, scheme))):
             p, s = jax.tree.map(jnp.copy, params), state
             f = pockjax.compile(step, scheme=scheme)
+            full = tx.init(params)
+            if sparse and "b" not in rules and isinstance(full, optax.ApplyIfFiniteState) \
+                    and jax.tree.leaves(full.inner_state):
+                # the finite check's cond reads the inner state whole: a sparse one is refused, clearly
+                with pytest.raises(pockjax.PockjaxError, match="initialise it with tx.init"):
+                    f(p, s, x)
+                continue
             for _ in range(2):
                 p, s, _ = f(p, s, x)
             for k in ("w", "b"):
@@ -1088,6 +1100,166 @@ def test_a_statistic_fed_from_a_scan_is_refused_too():
     with pytest.raises(pockjax.SchemeError, match="sets 'mean', which the loss reads"):
         pockjax.compile(step, scheme=pockjax.UpdateScheme({"head": "full"}))(
             jax.tree.map(jnp.copy, params), tx.init(params), x, y)
+
+
+@pytest.mark.parametrize("kind", ["while", "cond"])
+def test_a_statistic_set_in_a_while_loop_or_a_branch_is_refused_too(kind):
+    # a while or cond gave each output every gradient taken inside it, the statistic's own among
+    # them: the step looked as if it updated 'mean' from its gradient, and the frozen statistic
+    # kept its old value where jax.jit updated it
+    tx = optax.adamw(0.1)
+    params = {"w": jnp.full((4, 3), 0.1), "head": jnp.ones((3, 1)), "mean": jnp.zeros((3,))}
+    x, y = jnp.arange(8.0).reshape(2, 4) / 8, jnp.ones((2, 1))
+
+    def loss(q, b, t):
+        h = jnp.tanh(b @ q["w"])
+        return jnp.mean(((h - q["mean"]) @ q["head"] - t) ** 2), h
+
+    def step(p, s, x, y):
+        if kind == "while":
+            def body(c):
+                i, acc, hs = c
+                (_, h), g = jax.value_and_grad(loss, has_aux=True)(p, x[i][None], y[i][None])
+                return i + 1, jax.tree.map(jnp.add, acc, g), hs + h.mean(0)
+            _, g, hs = jax.lax.while_loop(lambda c: c[0] < x.shape[0], body,
+                                          (0, jax.tree.map(jnp.zeros_like, p), jnp.zeros(3)))
+            mean = 0.9 * p["mean"] + 0.1 * hs / x.shape[0]
+        else:
+            def taken():
+                (_, h), g = jax.value_and_grad(loss, has_aux=True)(p, x, y)
+                return g, 0.9 * p["mean"] + 0.1 * h.mean(0)
+            g, mean = jax.lax.cond(jnp.sum(x) > 0, taken, lambda: (jax.tree.map(jnp.zeros_like, p), p["mean"]))
+        u, s = tx.update(g, s, p)
+        return {**optax.apply_updates(p, u), "mean": mean}, s
+
+    with pytest.raises(pockjax.SchemeError, match="sets 'mean', which the loss reads"):
+        pockjax.compile(step, scheme=pockjax.UpdateScheme({"head": "full"}))(
+            jax.tree.map(jnp.copy, params), tx.init(params), x, y)
+    # trained in full, as jax.jit
+    got = pockjax.compile(step, scheme=pockjax.UpdateScheme.full())(
+        jax.tree.map(jnp.copy, params), tx.init(params), x, y)[0]
+    ref = jax.jit(step)(jax.tree.map(jnp.copy, params), tx.init(params), x, y)[0]
+    for k in params:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(ref[k]), atol=1e-6)
+
+
+@pytest.mark.parametrize("rule", ["anneal", "schedule", "reset"])
+def test_a_parameter_the_step_changes_from_itself_alone_is_refused_when_frozen(rule):
+    # temp, read by the loss, annealed as temp * 0.9 (or by a schedule of the step count, or
+    # reset): it read nothing but itself, so it passed as set_to_zero's p + 0 does, and a
+    # scheme that froze it kept 2.0 where jax.jit made it 1.8
+    tx = optax.adam(0.1)
+    params = {"w": jnp.full((4, 3), 0.1), "temp": jnp.full((3,), 2.0)}
+    x = jnp.arange(8.0).reshape(2, 4) / 8
+
+    def step(p, s, x):
+        loss, g = jax.value_and_grad(lambda q: jnp.sum(jnp.tanh(x @ q["w"]) / q["temp"]))(p)
+        u, s = tx.update(g, s, p)
+        new = {"anneal": p["temp"] * 0.9, "schedule": p["temp"] * (1.0 / (1.0 + s[0].count)),
+               "reset": jnp.ones_like(p["temp"])}[rule]
+        return {**optax.apply_updates(p, u), "temp": new}, s
+
+    with pytest.raises(pockjax.SchemeError, match=r"sets 'temp', which the loss reads .*p \* 0.9"):
+        pockjax.compile(step, scheme=pockjax.UpdateScheme({"w": "full"}))(
+            jax.tree.map(jnp.copy, params), tx.init(params), x)
+    got = pockjax.compile(step, scheme=pockjax.UpdateScheme.full())(
+        jax.tree.map(jnp.copy, params), tx.init(params), x)[0]
+    ref = jax.jit(step)(jax.tree.map(jnp.copy, params), tx.init(params), x)[0]
+    np.testing.assert_allclose(np.asarray(got["temp"]), np.asarray(ref["temp"]), atol=1e-7)
+    assert float(ref["temp"][0]) != 2.0
+
+
+def test_set_to_zero_on_a_bf16_parameter_is_not_taken_for_a_new_value():
+    # p + 0 in float32, cast back to bfloat16: the parameter's own value, frozen as it is
+    params = {"enc": jnp.full((4, 3), 0.1, jnp.bfloat16), "head": jnp.ones((3, 1))}
+    x, y = jnp.arange(8.0).reshape(2, 4) / 8, jnp.ones((2, 1))
+    tx = optax.multi_transform({"a": optax.adam(0.1), "z": optax.set_to_zero()}, {"enc": "z", "head": "a"})
+
+    def step(p, s, x, y):
+        loss, g = jax.value_and_grad(
+            lambda q: jnp.mean((jnp.tanh(x @ q["enc"].astype(jnp.float32)) @ q["head"] - y) ** 2))(p)
+        u, s = tx.update(g, s, p)
+        return jax.tree.map(lambda a, b: (a.astype(jnp.float32) + b).astype(a.dtype), p, u), s, loss
+
+    got = pockjax.compile(step, scheme=pockjax.UpdateScheme({"head": "full"}))(
+        jax.tree.map(jnp.copy, params), tx.init(params), x, y)
+    ref = jax.jit(step)(jax.tree.map(jnp.copy, params), tx.init(params), x, y)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-6)
+
+
+@pytest.mark.parametrize("guard", ["cond", "where", "while"])
+def test_a_statistic_behind_a_finite_check_of_the_gradients_is_refused(guard):
+    # the check reads every gradient, the statistic's own among them: the statistic looked
+    # updated from its gradient and a scheme that froze it kept [0 0 0] where jax.jit gave 0.0172
+    tx = optax.adamw(0.1)
+    params = {"w": jnp.full((4, 3), 0.1), "head": jnp.ones((3, 1)), "mean": jnp.zeros((3,))}
+    x, y = jnp.arange(8.0).reshape(2, 4) / 8, jnp.ones((2, 1))
+
+    def step(p, s, x, y):
+        def loss(q):
+            h = jnp.tanh(x @ q["w"])
+            return jnp.mean(((h - q["mean"]) @ q["head"] - y) ** 2), h
+        (value, h), g = jax.value_and_grad(loss, has_aux=True)(p)
+        ok = jnp.isfinite(optax.tree.norm(g))
+        u, s = tx.update(g, s, p)
+        new = optax.apply_updates(p, u)
+        if guard == "cond":
+            new["mean"] = jax.lax.cond(ok, lambda: 0.9 * p["mean"] + 0.1 * h.mean(0), lambda: p["mean"])
+        elif guard == "where":
+            new["mean"] = jnp.where(ok, 0.9 * p["mean"] + 0.1 * h.mean(0), p["mean"])
+        else:
+            new["mean"] = jax.lax.while_loop(lambda c: c[0] < jnp.where(ok, 1, 0),
+                                             lambda c: (c[0] + 1, 0.9 * c[1] + 0.1 * h.mean(0)), (0, p["mean"]))[1]
+        return new, s, value
+
+    with pytest.raises(pockjax.SchemeError, match="sets 'mean', which the loss reads"):
+        pockjax.compile(step, scheme=pockjax.UpdateScheme({"w": "full", "head": "full"}))(
+            jax.tree.map(jnp.copy, params), tx.init(params), x, y)
+
+
+@pytest.mark.parametrize("rule", ["decay-after", "decay-by-hand", "clip", "lr-argument", "skip-if-not-finite"])
+def test_a_frozen_parameter_moved_only_by_decay_a_clip_or_a_skip_is_kept(rule):
+    # set_to_zero freezes 'w'; what else moves it is the optimizer's (decay, a clip, a skip on a
+    # non-finite loss): kept, as PyTorch keeps a parameter without a gradient. These were refused
+    # as "a value annealed from itself" by a first version of the check.
+    params = {"w": jnp.full((4, 3), 0.1), "b": jnp.zeros((3,)), "head": jnp.ones((3, 1))}
+    x, y = jnp.arange(8.0).reshape(2, 4) / 8, jnp.ones((2, 1))
+    mt = optax.multi_transform({"a": optax.adam(0.1), "z": optax.set_to_zero()}, {"w": "z", "b": "a", "head": "a"})
+    tx = optax.chain(mt, optax.add_decayed_weights(0.1), optax.scale(-0.1)) if rule == "decay-after" else mt
+
+    def make(frozen_w):
+        def step(p, s, x, y, lr):
+            def loss(q):
+                w = jax.lax.stop_gradient(q["w"]) if frozen_w else q["w"]
+                return jnp.mean((jnp.tanh(x @ w + q["b"]) @ q["head"] - y) ** 2)
+            value, g = jax.value_and_grad(loss)(p)
+            u, s2 = tx.update(g, s, p)
+            if rule == "decay-by-hand":
+                new = jax.tree.map(lambda a, b: a * (1 - 0.1 * 0.01) + b, p, u)
+            elif rule == "clip":
+                new = jax.tree.map(lambda a: jnp.clip(a, -1.0, 1.0), optax.apply_updates(p, u))
+            elif rule == "lr-argument":
+                new = jax.tree.map(lambda a, b: a - lr * b, p, u)
+            elif rule == "skip-if-not-finite":
+                new, s2 = jax.lax.cond(jnp.isfinite(value), lambda: (optax.apply_updates(p, u), s2), lambda: (p, s))
+            else:
+                new = optax.apply_updates(p, u)
+            return new, s2, value
+        return step
+
+    lr = jnp.float32(0.5)
+    p, s = jax.tree.map(jnp.copy, params), tx.init(params)
+    f = pockjax.compile(make(False), scheme=pockjax.UpdateScheme({"b": "full", "head": "full"}))
+    q, t = jax.tree.map(jnp.copy, params), tx.init(params)
+    for _ in range(2):
+        p, s, _ = f(p, s, x, y, lr)
+        q, t, _ = jax.jit(make(True))(q, t, x, y, lr)  # jax.jit, w's gradient zero and w put back
+        q = {**q, "w": params["w"]}
+    np.testing.assert_array_equal(np.asarray(p["w"]), np.asarray(params["w"]))
+    for k in ("b", "head"):
+        np.testing.assert_allclose(np.asarray(p[k]), np.asarray(q[k]), atol=1e-6)
+    assert float(jnp.abs(p["b"]).max()) > 0
 
 
 def test_an_unread_parameter_under_adamw_and_reduce_on_plateau_stays_a_parameter():

@@ -412,6 +412,23 @@ def test_resume_with_corrupt_metrics_names_the_file(run4, tmp_path):
         finetune(cfg(out=out, resume=True, steps=6), **QUIET)
 
 
+@pytest.mark.parametrize("edit, message", [
+    # json took the last of two "config" keys and NaN, silently
+    (lambda t: t.replace('{', '{"config": {"steps": 99}, ', 1), "key 'config' given twice"),
+    (lambda t: t.replace('"steps": 4', '"steps": NaN', 1), "NaN is not valid JSON"),
+    (lambda t: '{"config": [1]}', "KeyError: 'config'"),
+])
+def test_resume_with_a_bad_run_json_is_refused(run4, tmp_path, edit, message):
+    out = str(tmp_path / "run")
+    shutil.copytree(run4, out)
+    path = os.path.join(out, "run.json")
+    text = open(path).read()
+    assert edit(text) != text
+    open(path, "w").write(edit(text))
+    with pytest.raises(FinetuneError, match=f"cannot resume from .*run: its run.json is unreadable .*{message}"):
+        finetune(cfg(out=out, resume=True, steps=6), **QUIET)
+
+
 @pytest.mark.parametrize("patch, message", [
     ({"losses": ["a", "b", "c", "d"]}, "'losses' is not a list of finite numbers"),
     ({"losses": None}, "'losses' is not a list of finite numbers"),

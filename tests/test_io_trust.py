@@ -64,6 +64,16 @@ def test_header_that_is_a_list(tmp_path):
         read_safetensors(path)
 
 
+def test_a_tensor_named_twice_in_the_header_is_refused(tmp_path):
+    # json kept the second entry silently: the file read as one tensor with the other's bytes
+    entry = '{"dtype": "F32", "shape": [1], "data_offsets": [%d, %d]}'
+    blob = ('{"w": %s, "w": %s}' % (entry % (0, 4), entry % (4, 8))).encode()
+    path = tmp_path / "twice.safetensors"
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + b"\0" * 8)
+    with pytest.raises(SafetensorsError, match=r"twice\.safetensors: the header: invalid JSON \(key 'w' given twice"):
+        read_safetensors(str(path))
+
+
 def test_header_entry_without_data_offsets(tmp_path):
     path = _safetensors(tmp_path / "nooff.safetensors",
                         {"w": {"dtype": "F32", "shape": [1]}}, b"\0" * 4)
@@ -473,6 +483,8 @@ def test_directory_replace_with_and_without_atomic_exchange(tmp_path, monkeypatc
     (b"\xff\xfe{}", r"module\.json'?: not UTF-8 text \(byte 0xff at offset 0\)"),
     (b"[1, 2]", r"module\.json'?: expected a JSON object, got list"),
     (b"{\"format\": ", r"module\.json'?: invalid JSON"),
+    (b"{\"format\": \"pockjax-iree-module\", \"format\": \"x\"}", r"module\.json'?: invalid JSON \(a key is given twice"),
+    (b"{\"format\": NaN}", r"module\.json'?: invalid JSON \(NaN is not valid JSON"),
     (b"{\"format\": \"pockjax-iree-module\", \"inputs\": 3}", r"module\.json'?: TypeError"),
     (b"{\"format\": \"other\"}", r"module\.json'?: not a pockjax module metadata file"),
 ])

@@ -30,6 +30,7 @@ import numpy as np
 
 from pockjax.errors import FileMissingError, SafetensorsError
 from pockjax.io.atomic import atomic_open
+from pockjax.io.jsonfile import loads_checked
 
 __all__ = ["SAFETENSORS_DTYPES", "read_safetensors", "read_safetensors_header",
            "write_safetensors"]
@@ -89,15 +90,12 @@ def read_safetensors_header(path: str | os.PathLike
             raise SafetensorsError(f"{path}: header length {n} is larger than {_MAX_HEADER}")
         raw = f.read(n)
     try:
-        header = json.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise SafetensorsError(f"{path}: the header is not UTF-8 ({e.reason} at byte"
                                f" {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise SafetensorsError(f"{path}: the header is not valid JSON ({e.msg} at character"
-                               f" {e.pos})") from None
-    except RecursionError:
-        raise SafetensorsError(f"{path}: the header nests JSON too deeply") from None
+    # a tensor named twice (json keeps the last silently), NaN: a SafetensorsError naming the file
+    header = loads_checked(text, f"{path}: the header", SafetensorsError, line_numbers=False)
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path}: the header must be a JSON object, not"
                                f" {type(header).__name__}")

@@ -159,6 +159,18 @@ class ModuleMetadata:
         return [i for i in self.state_inputs if i in replaced]
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _once_each(pairs: list) -> dict:
+    # the runtime reads JSON on its own (it imports nothing of pockjax outside itself)
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError(f"a key is given twice in one object ({sorted(k for k, _ in pairs)})")
+    return out
+
+
 def read_metadata(path: str | os.PathLike) -> ModuleMetadata:
     """Reads ``module.json`` from an exported directory (or the file itself)."""
     path = os.fspath(path)
@@ -171,11 +183,11 @@ def read_metadata(path: str | os.PathLike) -> ModuleMetadata:
     except OSError as e:
         raise ModuleError(f"cannot read module metadata {meta_path!r}: {e.strerror or e}") from None
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, object_pairs_hook=_once_each)
     except UnicodeDecodeError as e:
         raise ModuleError(f"malformed module metadata {meta_path!r}: not UTF-8 text (byte "
                           f"0x{raw[e.start]:02x} at offset {e.start}); is it a binary file?") from None
-    except (json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # json.JSONDecodeError is a ValueError
         raise ModuleError(f"malformed module metadata {meta_path!r}: invalid JSON ({e})") from None
     if not isinstance(data, dict):
         raise ModuleError(f"malformed module metadata {meta_path!r}: expected a JSON object, got "

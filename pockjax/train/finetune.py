@@ -726,9 +726,8 @@ def _same_option(name: str, given: Any, saved: FinetuneConfig, n_layers: int | N
 def _run_layers(out: str) -> int | None:
     """The block count of the model in ``out`` (its ``config.json``), or None if unreadable."""
     try:
-        with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
-            return int(json.load(f)["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(read_json_object(os.path.join(out, "config.json"))["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError, pockjax.PockjaxError):
         return None
 
 
@@ -857,10 +856,10 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         if not os.path.isfile(os.path.join(out, "run.json")):
             raise FinetuneError(f"nothing to resume: {out} holds no fine-tuning run (run.json)")
         try:
-            with open(os.path.join(out, "run.json"), encoding="utf-8") as f:
-                saved_run = json.load(f)
-            saved_run["config"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            saved_run = read_json_object(os.path.join(out, "run.json"))
+            if not isinstance(saved_run.get("config"), dict):
+                raise KeyError("config")
+        except (OSError, KeyError, pockjax.PockjaxError) as e:
             raise FinetuneError(f"cannot resume from {out}: its run.json is unreadable"
                                 f" ({type(e).__name__}: {e})") from None
         if given is None:

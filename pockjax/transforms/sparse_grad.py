@@ -246,68 +246,154 @@ def _refuse_overwritten_parameters(graph: TrainGraph, idx, resolved) -> None:
     something else (a running statistic: ``0.9 * p["mean"] + 0.1 * h.mean(0)``).
     That is model state used by the loss: under ``jax.jit`` it keeps updating,
     while a scheme that freezes it would keep its old value, without a word.
-    A value read only from the parameter itself and constants (``set_to_zero``'s
-    ``p + 0``) is not refused.
+    So does a value the step makes from the parameter alone other than by
+    applying an update to it (``p * 0.9``, ``p * schedule(count)``, a reset;
+    :func:`_update_applied`). A gradient that reaches the value only through a
+    scalar (a finite check of all the gradients guarding the statistic) does
+    not count as its gradient.
     """
     kept = {i for i, r in zip(idx, resolved) if not isinstance(r, Full)} & gradient_tag_indices(graph.jaxpr)
     if not kept:
         return
     jaxpr = graph.jaxpr
-    out_deps = _dependencies(jaxpr, [frozenset({("in", i)}) for i in range(len(jaxpr.invars))])
+    scalar_params = frozenset(i for i, r in enumerate(graph.in_roles) if r == PARAM and not jaxpr.invars[i].aval.shape)
+    out_deps = _dependencies(jaxpr, [frozenset({("in", i)}) for i in range(len(jaxpr.invars))], scalar_params)
     unchanged = _returned_unchanged(graph)
-    other = {i for i, r in enumerate(graph.in_roles) if r != OPT_STATE}
+    # what may feed a frozen parameter's new value besides itself: optimizer state, and scalars
+    # (a learning rate passed to the step)
+    other = {i for i, (r, v) in enumerate(zip(graph.in_roles, jaxpr.invars)) if r != OPT_STATE and v.aval.shape}
     hit = [graph.in_paths[i] for d, v, i in zip(out_deps, jaxpr.outvars, graph.out_to_in)
-           if i in kept and i not in unchanged and not isinstance(v, C.Literal)
-           and ("grad", i) not in d and any(("in", j) in d for j in other - {i})]
+           if i in kept and i not in unchanged and ("grad", i) not in d
+           and (any(("in", j) in d for j in other - {i}) or not _update_applied(v, {jaxpr.invars[i]}, jaxpr))]
     if hit:
         raise SchemeError(
             f"{graph.step_name} sets {some(hit)}, which the loss reads (so it has a gradient) and the scheme"
-            " does not train in full, from other values than its gradient (a running statistic?): pockjax"
-            " would keep its old value where jax.jit updates it. If it is model state, read it under"
-            " jax.lax.stop_gradient in the loss (it is then updated as the step computes it); if it is a"
-            " parameter, update it from its gradient.")
+            " does not train in full, from other values than its gradient (a running statistic, or a"
+            " value annealed from itself, p * 0.9?): pockjax would keep its old value where jax.jit"
+            " updates it. If it is model state, read it under jax.lax.stop_gradient in the loss (it is"
+            " then updated as the step computes it); if it is a parameter, update it from its gradient.")
 
 
-def _dependencies(jaxpr, in_deps: list) -> list:
+_UPDATE_APPLIED = ("add", "add_any", "sub", "clamp", "max", "min")
+
+
+def _update_applied(v, leaves: set, jaxpr) -> bool:
+    """Whether ``v`` is the leaf itself or an update applied to it (what an optimizer does to a
+    parameter: ``p + u``, ``p - lr * u``, ``p * (1 - lr * wd) + u``, a clip after it), through
+    lossless casts, selects, and the branches of a ``cond`` or the body of a call.
+
+    ``leaves``: the variables of ``jaxpr`` that hold the leaf. A frozen parameter with such a
+    new value is kept (set_to_zero's ``p + 0``; weight decay moves no frozen parameter), but
+    one the step scales or resets (``p * 0.9``, ``p * schedule(count)``) is the step's own
+    rule, which a scheme that freezes it would silently drop.
+    """
+    producer = {o: e for e in jaxpr.eqns for o in e.outvars}
+    reads = set(leaves)
+    for e in jaxpr.eqns:
+        if any(not isinstance(a, C.Literal) and a in reads for a in e.invars):
+            reads.update(e.outvars)
+    dtype = next(iter(leaves)).aval.dtype
+
+    def check(a) -> bool:
+        if not isinstance(a, C.Literal) and a in leaves:
+            return True
+        e = None if isinstance(a, C.Literal) else producer.get(a)
+        if e is None:
+            return False
+        name = e.primitive.name
+        if e.primitive is tags.param_tag_p or name in ("copy", "copy_p"):
+            return check(e.invars[0])
+        if name == "convert_element_type":  # exact when the new dtype holds every value of the leaf's
+            new = e.params["new_dtype"]
+            return jnp.promote_types(dtype, new) == new and check(e.invars[0])
+        if name == "select_n":
+            return all(check(b) for b in e.invars[1:])
+        if name in _UPDATE_APPLIED:
+            return any(not isinstance(b, C.Literal) and b in reads for b in e.invars)
+        bodies = (e.params["branches"], 1) if name == "cond" else (
+            ([e.params[_interp.CALL_BODY[e.primitive]]], 0) if e.primitive in _interp.CALL_BODY else None)
+        if bodies is None:
+            return False
+        subs, offset = bodies
+        k = e.outvars.index(a)
+        for sub in subs:
+            body = _interp.open_jaxpr(sub)
+            inner = {b for b, x in zip(body.invars, e.invars[offset:]) if not isinstance(x, C.Literal) and x in leaves}
+            if not inner or not _update_applied(body.outvars[k], inner, body):
+                return False
+        return True
+
+    return check(v)
+
+
+def _dependencies(jaxpr, in_deps: list, scalar_params: frozenset = frozenset()) -> list:
     """What each output of ``jaxpr`` reads: ``("in", i)`` for input ``i`` (as ``in_deps``
     gives the inputs'), ``("grad", k)`` for parameter ``k``'s gradient tag.
 
-    A scalar passes on only the gradients it reads: a learning rate, a global norm or a
-    loss that scales every update (``reduce_on_plateau``) does not make a frozen
-    parameter's ``p + scale * 0`` read the batch. A ``scan`` is followed position by
-    position (its carries to a fixed point); another loop or branch gives each output
-    all its inputs and the gradients taken inside it.
+    A scalar passes on only the gradients of the scalar parameters in ``scalar_params``
+    (its own value): a learning rate, a global norm, a finite check or a loss that
+    scales or guards every update (``reduce_on_plateau``, ``apply_if_finite``) neither
+    makes a frozen parameter's ``p + scale * 0`` read the batch, nor gives a statistic
+    its gradient. A ``scan``, ``while`` or ``cond`` is followed position by position
+    (loop carries to a fixed point, a branch's outputs with its index's); another
+    primitive with a body gives each output all its inputs and the gradients taken
+    inside it.
     """
     deps: dict = dict(zip(jaxpr.invars, in_deps))
     empty = frozenset()
+
+    def scalar(d):
+        return frozenset(x for x in d if x[0] == "grad" and x[1] in scalar_params)
+
     for e in jaxpr.eqns:
         ins = [empty if isinstance(v, C.Literal) else deps.get(v, empty) for v in e.invars]
         every = empty.union(*ins)
         if e.primitive is tags.grad_tag_p:
             outs = [every | {("grad", e.params["index"])}]
         elif e.primitive.name == "scan":
-            outs = _scan_dependencies(e, ins)
+            outs = _scan_dependencies(e, ins, scalar_params)
+        elif e.primitive.name == "while":
+            outs = _while_dependencies(e, ins, scalar_params)
+        elif e.primitive.name == "cond":
+            index = scalar(ins[0])
+            outs = [index.union(*col) for col in zip(*(
+                _dependencies(_interp.open_jaxpr(b), ins[1:], scalar_params) for b in e.params["branches"]))]
         elif _interp.sub_jaxprs(e, strict=False):
             outs = [every | {("grad", k) for sub in _interp.sub_jaxprs(e, strict=False)
                              for k in gradient_tag_indices(_interp.open_jaxpr(sub))}] * len(e.outvars)
         else:
             outs = [every] * len(e.outvars)
         for o, d in zip(e.outvars, outs):
-            deps[o] = d if o.aval.shape else frozenset(x for x in d if x[0] == "grad")
+            deps[o] = d if o.aval.shape else scalar(d)
     return [empty if isinstance(v, C.Literal) else deps.get(v, empty) for v in jaxpr.outvars]
 
 
-def _scan_dependencies(eqn, ins: list) -> list:
+def _scan_dependencies(eqn, ins: list, scalar_params: frozenset) -> list:
     body = _interp.open_jaxpr(eqn.params["jaxpr"])
     n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
     carry = ins[n_consts:n_consts + n_carry]
     for _ in range(8):  # an iteration's carry feeds the next: to a fixed point
-        outs = _dependencies(body, ins[:n_consts] + carry + ins[n_consts + n_carry:])
+        outs = _dependencies(body, ins[:n_consts] + carry + ins[n_consts + n_carry:], scalar_params)
         grown = [c | o for c, o in zip(carry, outs[:n_carry])]
         if grown == carry:
             break
         carry = grown
     return [c | o for c, o in zip(carry, outs[:n_carry])] + outs[n_carry:]
+
+
+def _while_dependencies(eqn, ins: list, scalar_params: frozenset) -> list:
+    cond = _interp.open_jaxpr(eqn.params["cond_jaxpr"])
+    body = _interp.open_jaxpr(eqn.params["body_jaxpr"])
+    nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    carry = ins[nc + nb:]
+    for _ in range(8):  # to a fixed point, as a scan's carry
+        grown = [c | o for c, o in zip(carry, _dependencies(body, ins[nc:nc + nb] + carry, scalar_params))]
+        if grown == carry:
+            break
+        carry = grown
+    # how often the body runs: the predicate, a scalar, passes on what scalars pass on
+    pred = _dependencies(cond, ins[:nc] + carry, scalar_params)[0]
+    return [c | pred for c in carry]
 
 
 def _refuse_untagged_gradients(graph: TrainGraph, resolved) -> None:
