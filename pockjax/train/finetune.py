@@ -38,7 +38,6 @@ infinity is ever written.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
