@@ -160,3 +160,17 @@ def test_no_numeric_option_is_a_plain_int_or_float():
                 # a factory's result (int_at_least(2), float_in(...)) is named after its range
                 assert action.type.__module__ == _cli_args.__name__, (command, action.option_strings)
     assert not plain, f"options that accept nan, inf or negative numbers unchecked: {plain}"
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "--layers", "100000"], ["plan", "--seq", "100000000"], ["plan", "--batch", str(10**15)],
+    ["plan", "--seq", "100000000", "--quantize", "int4"], ["plan", "--layers", "100000", "--devices", "2"],
+    ["memory", "--seq", "40000", "--no-plot"],
+], ids=lambda a: " ".join(a[:3]) + (" " + a[3] if len(a) > 3 else ""))
+def test_plan_and_memory_refuse_sizes_they_cannot_trace(capsys, argv):
+    # --layers 100000 traced for ever, --seq 1e8 built attention for ever, --batch 1e15 overflowed
+    # a byte count with a traceback: each is one line naming the largest size taken
+    assert pockjax.cli.main([argv[0], "--model", "tiny", *argv[1:]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"{argv[1]} {argv[2]} is more than pockjax {argv[0]} takes: at most" in err

@@ -1262,6 +1262,43 @@ def test_a_frozen_parameter_moved_only_by_decay_a_clip_or_a_skip_is_kept(rule):
     assert float(jnp.abs(p["b"]).max()) > 0
 
 
+def test_an_average_of_the_weights_in_the_optimizer_state_follows_a_frozen_parameter():
+    # optax.ema of the updated weights kept beside the optimizer's state: its average of a frozen
+    # 'w' was kept at 0 while its count advanced, so the debiased average fell 0.1 -> 0.0526 ->
+    # 0.0369 where jax.jit (w's gradient zero, w put back) stays at 0.1
+    tx, ema = optax.adam(0.1), optax.ema(0.9)
+    params = {"w": jnp.full((4, 3), 0.1), "head": jnp.ones((3, 1))}
+    x, y = jnp.arange(8.0).reshape(2, 4) / 8, jnp.ones((2, 1))
+
+    def make(frozen_w):
+        def step(p, s, x, y):
+            def loss(q):
+                w = jax.lax.stop_gradient(q["w"]) if frozen_w else q["w"]
+                return jnp.mean((jnp.tanh(x @ w) @ q["head"] - y) ** 2)
+            value, g = jax.value_and_grad(loss)(p)
+            u, os = tx.update(g, s[0], p)
+            new = optax.apply_updates(p, u)
+            average, es = ema.update(new, s[1])
+            return new, (os, es), average
+        return step
+
+    scheme = pockjax.UpdateScheme({"head": "full"})
+    f = pockjax.compile(make(False), scheme=scheme)
+    p, s = jax.tree.map(jnp.copy, params), (tx.init(params), ema.init(params))
+    q, t = jax.tree.map(jnp.copy, params), (tx.init(params), ema.init(params))
+    for _ in range(3):
+        p, s, got = f(p, s, x, y)
+        q, t, want = jax.jit(make(True))(q, t, x, y)
+        q = {**q, "w": params["w"]}
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got["w"]), 0.1, atol=1e-6)
+    sparse = (pockjax.init_opt_state(tx, params, scheme), pockjax.init_opt_state(ema, params, scheme))
+    with pytest.raises(pockjax.PockjaxError, match=r"'opt_state.1.ema.w' of the frozen parameter 'w' is computed"
+                                                   r" from the parameter's new value .*tx.init\(params\)"):
+        f(jax.tree.map(jnp.copy, params), sparse, x, y)
+
+
 def test_an_unread_parameter_under_adamw_and_reduce_on_plateau_stays_a_parameter():
     # the plateau's scale reads the loss (the batch): the own-state rule once called the unread,
     # decaying 'u' model state, and a scheme that freezes it let it decay

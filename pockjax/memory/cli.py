@@ -124,13 +124,24 @@ def _error(command: str, e: BaseException) -> int:
     return 2
 
 
+#: The largest sizes ``pockjax plan`` and ``pockjax memory`` take, and why: they trace the step
+#: (every block, and attention in query blocks whose count grows with the length: 32768 tokens
+#: took 47 s on a 2-core CPU, 131072 did not finish in 150 s) and count bytes in 64-bit integers.
+_SIZE_LIMITS = {"batch": (2**20, "byte counts must fit 64-bit integers"),
+                "seq": (32768, "attention is traced in query blocks, more as the length grows"),
+                "layers": (256, "every block is traced")}
+
+
 def _check_sizes(args: argparse.Namespace) -> None:
     from pockjax.errors import PockjaxError
 
-    for name in ("batch", "seq", "layers"):
+    for name, (most, why) in _SIZE_LIMITS.items():
         v = getattr(args, name, None)
         if v is not None and v < 1:
             raise PockjaxError(f"--{name} must be at least 1, got {v}")
+        if v is not None and v > most:
+            raise PockjaxError(f"--{name} {v} is more than pockjax {args.command} takes: at most {most}"
+                               f" ({why})")
 
 
 # -- pockjax memory ------------------------------------------------------------------

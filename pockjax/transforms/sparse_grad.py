@@ -966,9 +966,18 @@ def _output_plan(graph: TrainGraph, input_rules: list[RuleOf], sparse_opt_state:
     only the slice (sparse optimizer state); ``("whole",)``: the new value.
     """
     out_plan = []
-    for i in graph.out_to_in:
+    averages = _averages_of_new_parameters(graph, input_rules)
+    for o, i in enumerate(graph.out_to_in):
         rule = input_rules[i] if i is not None else Full()
-        if isinstance(rule, Frozen):
+        if o in averages:  # computed as the step computes it, from the kept parameter
+            if sparse_opt_state:
+                raise PockjaxError(
+                    f"optimizer state {graph.in_paths[i]!r} of the frozen parameter"
+                    f" {graph.in_paths[graph.param_of[i]]!r} is computed from the parameter's new value (an"
+                    " average of the weights, optax.ema?), so it changes though the parameter is kept: pass"
+                    " the full state, tx.init(params), instead of pockjax.init_opt_state")
+            out_plan.append(("whole",))
+        elif isinstance(rule, Frozen):
             out_plan.append(("keep", i))
         elif isinstance(rule, ChannelSelect):
             sparse = sparse_opt_state and graph.in_roles[i] == OPT_STATE
@@ -976,6 +985,37 @@ def _output_plan(graph: TrainGraph, input_rules: list[RuleOf], sparse_opt_state:
         else:
             out_plan.append(("whole",))
     return out_plan
+
+
+def _averages_of_new_parameters(graph: TrainGraph, input_rules: list[RuleOf]) -> set[int]:
+    """The outputs of optimizer state mirroring a frozen parameter that read the parameter's
+    new value (``optax.ema`` of the updated weights kept in the optimizer state).
+
+    Gradient optimizer state (moments, momentum) of a frozen parameter is kept, as
+    PyTorch keeps the state of a parameter without a gradient. An average of the
+    weights is not: under ``jax.jit`` it keeps following the (kept) parameter, and
+    its count advances anyway, so keeping it would debias a stale average towards 0.
+    """
+    jaxpr = graph.jaxpr
+    new_value = {}
+    for o, i in enumerate(graph.out_to_in):
+        v = jaxpr.outvars[o]
+        if i is not None and graph.in_roles[i] == PARAM and not isinstance(v, C.Literal) and v is not jaxpr.invars[i]:
+            new_value[i] = v
+    wanted = {o: new_value[graph.param_of[i]] for o, i in enumerate(graph.out_to_in)
+              if i is not None and graph.in_roles[i] == OPT_STATE and graph.param_of[i] in new_value
+              and isinstance(input_rules[i], Frozen)}
+    if not wanted:
+        return set()
+    reads: dict = {}  # var -> the new parameter values it reads
+    targets = set(new_value.values())
+    for e in jaxpr.eqns:
+        got = frozenset().union(*(reads.get(a, frozenset()) for a in e.invars if not isinstance(a, C.Literal)))
+        got |= frozenset(a for a in e.invars if not isinstance(a, C.Literal) and a in targets)
+        for v in e.outvars:
+            reads[v] = got
+    return {o for o, target in wanted.items()
+            if not isinstance(jaxpr.outvars[o], C.Literal) and target in reads.get(jaxpr.outvars[o], ())}
 
 
 def _input_forms(graph: TrainGraph, input_rules: list[RuleOf], sparse_opt_state: bool) -> tuple[dict, set]:
