@@ -178,6 +178,29 @@ class LoraTensor:
         return f"LoraTensor(shape={self.shape}, rank={self.rank}, scale={self.scale:g})"
 
 
+# A model's own code reads an adapted weight as the array it stands for: ``w.T``,
+# ``w.reshape(...)``, ``w.astype(bf16)``, ``2 * w`` work as on ``jnp.asarray(w)`` (they once
+# failed with a bare AttributeError), and the low-rank pass still sees ``base + scale * A @ B``.
+def _forward_method(name):
+    def method(self, *args, **kwargs):
+        return getattr(self.__jax_array__(), name)(*args, **kwargs)
+    method.__name__ = name
+    return method
+
+
+def _forward_property(name):
+    return property(lambda self: getattr(self.__jax_array__(), name), doc=f"``jnp.asarray(t).{name}``")
+
+
+for _name in ("reshape", "astype", "transpose", "swapaxes", "squeeze", "ravel", "flatten", "sum", "mean",
+              "max", "min", "clip", "dot", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+              "__truediv__", "__rtruediv__", "__matmul__", "__rmatmul__", "__pow__", "__neg__", "__pos__"):
+    setattr(LoraTensor, _name, _forward_method(_name))
+for _name in ("T", "mT", "size"):
+    setattr(LoraTensor, _name, _forward_property(_name))
+del _name
+
+
 def is_lora(x) -> bool:
     """Whether ``x`` is a :class:`LoraTensor` (an ``is_leaf`` for tree walks that stop at one)."""
     return isinstance(x, LoraTensor)

@@ -233,3 +233,33 @@ def test_an_nnx_step_with_an_adapter_is_refused_by_name():
 
     with pytest.raises(pockjax.StepSignatureError, match="holds a LoRA adapter .*functional steps"):
         pockjax.compile(step, scheme=scheme)(model, jnp.ones((2, 4)))
+
+
+def test_an_adapted_weight_reads_as_an_array_in_the_users_own_code():
+    # w.T, w.reshape, w.astype, 2 * w on a LoraTensor failed with a bare AttributeError/TypeError
+    # in the user's loss (tied or transposed weights); now they read as jnp.asarray(w) does, the
+    # transposed product still from the factors
+    scheme = pockjax.UpdateScheme({"w": pockjax.lora(2, alpha=4), "v": "full"})
+    params = {"w": jax.random.normal(jax.random.key(0), (8, 8)) / 4, "v": jnp.ones((8, 1)) / 8}
+    p = pockjax.add_adapters(params, scheme)
+    p["w"].lora_b = jnp.full_like(p["w"].lora_b, 0.1)  # a nonzero delta, so that its sign matters
+    x, y = jax.random.normal(jax.random.key(1), (4, 8)), jnp.ones((4, 1))
+    tx = optax.adam(1e-2)
+
+    def step(q, s, x, y):
+        def loss(r):
+            w = r["w"]
+            h = jnp.tanh(x @ w.T) + 0.5 * w.astype(jnp.float32).reshape(64)[:8] + (2 * w).sum() / 64
+            return jnp.mean((h @ r["v"] - y) ** 2)
+        value, g = jax.value_and_grad(loss)(q)
+        u, s = tx.update(g, s, q)
+        return optax.apply_updates(q, u), s, value
+
+    f = pockjax.compile(step, scheme=scheme)
+    state = pockjax.init_opt_state(tx, p, scheme)
+    assert f.lower(p, state, x, y).graph.record(pockjax.LowRankRecord).factored_products >= 1
+    dense = lambda q: q["w"].base + 2.0 * q["w"].lora_a @ q["w"].lora_b  # noqa: E731  scale = alpha / rank
+    w = dense(p)
+    want = jnp.mean(((jnp.tanh(x @ w.T) + 0.5 * w.reshape(64)[:8] + (2 * w).sum() / 64) @ p["v"] - y) ** 2)
+    got = f(jax.tree.map(jnp.copy, p), state, x, y)[2]
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)

@@ -40,6 +40,7 @@ from pockjax._src import jaxpr as _interp
 from pockjax._src.jaxpr import PrimitiveTable, prims
 from pockjax.transforms import slicing
 from pockjax.transforms.base import Pass
+from pockjax.transforms.dce import DCE_RULES
 from pockjax.transforms.slicing import PUSH_RULES
 
 
@@ -598,7 +599,8 @@ def _plan(eqns, req: _Requests, rules: dict, param_shapes: dict) -> list:
     gradient tag), ``("forward_update",)``, ``("scan_first", ...)`` (see
     :func:`_scan_first_iterations`), ``("call_body", ...)`` (a ``remat``
     body rewritten with the demands of its outputs), ``("sliced", forms,
-    params, sel)`` (a push rule) or ``("full",)``. Requests for the
+    params, sel)`` (a push rule), ``("pruned", eqn)`` (a ``cond`` without the
+    outputs nobody reads) or ``("full",)``. Requests for the
     equations' operands are added to ``req`` on the way.
     """
     modes = [None] * len(eqns)
@@ -633,6 +635,14 @@ def _plan_eqn(eqn, req: _Requests, rules: dict, param_shapes: dict) -> tuple:
             for v, f in zip(eqn.invars, forms):
                 req.add(v, f)
             return ("sliced", forms, params, outs[0])
+    if eqn.primitive is _interp.P.cond_p and "dead" in outs and not any(isinstance(d, ChannelSelect) for d in outs):
+        # a branch computing what nobody reads (apply_if_finite's update of a frozen parameter's
+        # state, which a sparse state does not hold): pruned, so that its operands are not read
+        used_ins, pruned = DCE_RULES[eqn.primitive]([d != "dead" for d in outs], eqn)
+        for v, used in zip(eqn.invars, used_ins):
+            if used:
+                req.add(v, None)
+        return ("pruned", pruned)
     for v in eqn.invars:
         req.add(v, None)
     return ("full",)
@@ -810,6 +820,10 @@ def _eval_full(eqn, mode, env, req, nested) -> None:
         _write(env, v, None, x)
 
 
+def _eval_pruned(eqn, mode, env, req, nested) -> None:
+    _eval_full(mode[1], ("full",), env, req, nested)  # its operands and outputs are eqn's, fewer
+
+
 def _eval_call_body(eqn, mode, env: dict, req, nested) -> None:
     """Re-bind a ``remat`` equation whose body computes its outputs in their demanded forms.
 
@@ -854,6 +868,7 @@ _EVALUATE = {
     "scan_first": _eval_scan_first,
     "call_body": _eval_call_body,
     "sliced": _eval_sliced,
+    "pruned": _eval_pruned,
     "full": _eval_full,
 }
 
