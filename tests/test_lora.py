@@ -263,3 +263,20 @@ def test_an_adapted_weight_reads_as_an_array_in_the_users_own_code():
     want = jnp.mean(((jnp.tanh(x @ w.T) + 0.5 * w.reshape(64)[:8] + (2 * w).sum() / 64) @ p["v"] - y) ** 2)
     got = f(jax.tree.map(jnp.copy, p), state, x, y)[2]
     np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+
+
+def test_adapters_the_loss_never_reads_are_refused():
+    # a loss over a copy of the original weights trained nothing: the adapters' gradient was zero,
+    # the run went on without a word
+    scheme = pockjax.UpdateScheme({"w": pockjax.lora(2), "v": "full"})
+    original = {"w": jnp.ones((8, 8)) / 8, "v": jnp.ones((8, 1))}
+    p = pockjax.add_adapters(jax.tree.map(jnp.copy, original), scheme)
+    tx = optax.adam(0.1)
+
+    def step(q, s, x):
+        value, g = jax.value_and_grad(lambda r: jnp.sum(jnp.tanh(x @ original["w"]) @ r["v"]))(q)
+        u, s = tx.update(g, s, q)
+        return optax.apply_updates(q, u), s, value
+
+    with pytest.raises(pockjax.SchemeError, match=r"LoRA adapters on 'w', but .*step's loss never reads them"):
+        pockjax.compile(step, scheme=scheme)(p, pockjax.init_opt_state(tx, p, scheme), jnp.ones((2, 8)))

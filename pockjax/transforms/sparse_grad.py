@@ -456,9 +456,31 @@ def resolve_rules(graph: TrainGraph, scheme: UpdateScheme, *, allow_nothing_trai
             f"{some([graph.in_paths[i] for i in idx], 6)})."
         )
     _refuse_trained_but_unchanged(graph, scheme, idx, resolved)
+    _refuse_unread_adapters(graph, scheme)
     _refuse_untagged_gradients(graph, resolved)
     _refuse_overwritten_parameters(graph, idx, resolved)
     return dict(zip(idx, resolved))
+
+
+def _refuse_unread_adapters(graph: TrainGraph, scheme: UpdateScheme) -> None:
+    """Refuses LoRA adapters the loss never reads: their gradient is zero, they would never train.
+
+    The usual cause is a loss that reads a copy of the original weights (a
+    closure, a model bound before :func:`pockjax.add_adapters`) instead of
+    the params the step receives.
+    """
+    if not scheme.has_lora:
+        return
+    read = gradient_tag_indices(graph.jaxpr)
+    unread = sorted({graph.in_paths[i].rsplit(".", 1)[0] for i, path in enumerate(graph.in_paths)
+                     if path.rsplit(".", 1)[-1] in ("lora_a", "lora_b") and scheme.lora_part(path) is not None
+                     and i not in read})
+    if unread:
+        raise SchemeError(
+            f"the scheme puts LoRA adapters on {some(unread)}, but {graph.step_name}'s loss never reads"
+            " them (no gradient reaches them: they would never train). Read the parameters the step"
+            " receives, the tree pockjax.add_adapters returned, not a copy of the original weights;"
+            " or drop the lora rule for these tensors.")
 
 
 def _refuse_trained_but_unchanged(graph: TrainGraph, scheme: UpdateScheme, idx, resolved) -> None:
