@@ -196,9 +196,12 @@ for _name in ("reshape", "astype", "transpose", "swapaxes", "squeeze", "ravel", 
               "max", "min", "clip", "dot", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
               "__truediv__", "__rtruediv__", "__matmul__", "__rmatmul__", "__pow__", "__neg__", "__pos__"):
     setattr(LoraTensor, _name, _forward_method(_name))
-for _name in ("T", "mT", "size"):
+for _name in ("T", "mT"):
     setattr(LoraTensor, _name, _forward_property(_name))
 del _name
+LoraTensor.size = property(lambda self: math.prod(self.shape), doc="The number of elements.")
+LoraTensor.__len__ = lambda self: self.shape[0]
+LoraTensor.__array_ufunc__ = None  # numpy defers to the operators above (np.ones(s) * t)
 
 
 def is_lora(x) -> bool:

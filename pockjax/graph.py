@@ -451,7 +451,8 @@ def _scaled_on_the_way(v, i: int, sources: dict, producer: dict) -> bool:
 
 
 def _branches_as_selects(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
-    """An analysis view of ``closed`` with no ``cond`` at its top level (or in a call).
+    """An analysis view of ``closed`` with no ``cond`` at its top level (nor in a ``jit``
+    inside a branch); a ``cond`` inside another primitive's body stays.
 
     Every branch is inlined and each output selects among them by the index
     (``apply_if_finite``'s update or zeros; :func:`inline_calls` has already

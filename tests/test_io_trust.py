@@ -483,7 +483,7 @@ def test_directory_replace_with_and_without_atomic_exchange(tmp_path, monkeypatc
     (b"\xff\xfe{}", r"module\.json'?: not UTF-8 text \(byte 0xff at offset 0\)"),
     (b"[1, 2]", r"module\.json'?: expected a JSON object, got list"),
     (b"{\"format\": ", r"module\.json'?: invalid JSON"),
-    (b"{\"format\": \"pockjax-iree-module\", \"format\": \"x\"}", r"module\.json'?: invalid JSON \(a key is given twice"),
+    (b"{\"format\": \"pockjax-iree-module\", \"format\": \"x\"}", r"module\.json'?: invalid JSON \(key 'format' given twice"),
     (b"{\"format\": NaN}", r"module\.json'?: invalid JSON \(NaN is not valid JSON"),
     (b"{\"format\": \"pockjax-iree-module\", \"inputs\": 3}", r"module\.json'?: TypeError"),
     (b"{\"format\": \"other\"}", r"module\.json'?: not a pockjax module metadata file"),

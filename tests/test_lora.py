@@ -280,3 +280,22 @@ def test_adapters_the_loss_never_reads_are_refused():
 
     with pytest.raises(pockjax.SchemeError, match=r"LoRA adapters on 'w', but .*step's loss never reads them"):
         pockjax.compile(step, scheme=scheme)(p, pockjax.init_opt_state(tx, p, scheme), jnp.ones((2, 8)))
+
+
+def test_a_pattern_that_also_adapts_an_unused_tensor_warns_and_trains_the_rest():
+    # "*.kernel": lora(...) over a model whose loss skips one module (a pooler): a warning naming
+    # it, not a refusal; the adapters that are read train
+    scheme = pockjax.UpdateScheme({"*.kernel": pockjax.lora(2), "v": "full"})
+    params = {"used": {"kernel": jnp.ones((8, 8)) / 8}, "pooler": {"kernel": jnp.ones((8, 8))}, "v": jnp.ones((8, 1))}
+    p = pockjax.add_adapters(params, scheme)
+    p["used"]["kernel"].lora_b = jnp.full_like(p["used"]["kernel"].lora_b, 0.1)
+    tx = optax.adam(0.1)
+
+    def step(q, s, x):
+        value, g = jax.value_and_grad(lambda r: jnp.sum(jnp.tanh(x @ r["used"]["kernel"]) @ r["v"]))(q)
+        u, s = tx.update(g, s, q)
+        return optax.apply_updates(q, u), s, value
+
+    with pytest.warns(UserWarning, match=r"LoRA adapters on 'pooler.kernel' are never read"):
+        new = pockjax.compile(step, scheme=scheme)(p, pockjax.init_opt_state(tx, p, scheme), jnp.ones((2, 8)))[0]
+    assert not np.allclose(np.asarray(new["used"]["kernel"].lora_b), 0.1)  # trained

@@ -126,9 +126,10 @@ def _error(command: str, e: BaseException) -> int:
 
 #: The largest sizes ``pockjax plan`` and ``pockjax memory`` take, and why: they trace the step
 #: (every block, and attention in query blocks whose count grows with the length: 32768 tokens
-#: took 47 s on a 2-core CPU, 131072 did not finish in 150 s) and count bytes in 64-bit integers.
+#: took 47 s on a 2-core CPU, so 131072, a long context, takes minutes) and count bytes in
+#: 64-bit integers.
 _SIZE_LIMITS = {"batch": (2**20, "byte counts must fit 64-bit integers"),
-                "seq": (32768, "attention is traced in query blocks, more as the length grows"),
+                "seq": (131072, "attention is traced in query blocks, more as the length grows"),
                 "layers": (256, "every block is traced")}
 
 

@@ -167,7 +167,9 @@ def _once_each(pairs: list) -> dict:
     # the runtime reads JSON on its own (it imports nothing of pockjax outside itself)
     out = dict(pairs)
     if len(out) != len(pairs):
-        raise ValueError(f"a key is given twice in one object ({sorted(k for k, _ in pairs)})")
+        seen: set = set()
+        twice = sorted({k for k, _ in pairs if k in seen or seen.add(k)})
+        raise ValueError(f"key {', '.join(map(repr, twice))} given twice in one object")
     return out
 
 

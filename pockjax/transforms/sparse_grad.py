@@ -25,6 +25,7 @@ gradient norm does not square and sum the zeros of frozen parameters).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -263,9 +264,10 @@ def _refuse_overwritten_parameters(graph: TrainGraph, idx, resolved) -> None:
     # what may feed a frozen parameter's new value besides itself: optimizer state, and scalars
     # (a learning rate passed to the step)
     other = {i for i, (r, v) in enumerate(zip(graph.in_roles, jaxpr.invars)) if r != OPT_STATE and v.aval.shape}
+    state = {v for r, v in zip(graph.in_roles, jaxpr.invars) if r == OPT_STATE}
     hit = [graph.in_paths[i] for d, v, i in zip(out_deps, jaxpr.outvars, graph.out_to_in)
            if i in kept and i not in unchanged and ("grad", i) not in d
-           and (any(("in", j) in d for j in other - {i}) or not _update_applied(v, {jaxpr.invars[i]}, jaxpr))]
+           and (any(("in", j) in d for j in other - {i}) or not _update_applied(v, {jaxpr.invars[i]}, jaxpr, state))]
     if hit:
         raise SchemeError(
             f"{graph.step_name} sets {some(hit)}, which the loss reads (so it has a gradient) and the scheme"
@@ -275,42 +277,77 @@ def _refuse_overwritten_parameters(graph: TrainGraph, idx, resolved) -> None:
             " then updated as the step computes it); if it is a parameter, update it from its gradient.")
 
 
-_UPDATE_APPLIED = ("add", "add_any", "sub", "clamp", "max", "min")
+def _update_applied(v, leaves: set, jaxpr, optimizer: set) -> bool:
+    """Whether ``v`` is the leaf itself or an update applied to it: what an optimizer does to a
+    parameter (``p + u``, ``p - lr * u``, ``p * (1 - lr * wd) + u``, ``p + f(p)`` for decay, a
+    clip of such a value), through lossless casts, selects, and the branches of a ``cond`` or
+    the body of a call.
 
-
-def _update_applied(v, leaves: set, jaxpr) -> bool:
-    """Whether ``v`` is the leaf itself or an update applied to it (what an optimizer does to a
-    parameter: ``p + u``, ``p - lr * u``, ``p * (1 - lr * wd) + u``, a clip after it), through
-    lossless casts, selects, and the branches of a ``cond`` or the body of a call.
-
-    ``leaves``: the variables of ``jaxpr`` that hold the leaf. A frozen parameter with such a
-    new value is kept (set_to_zero's ``p + 0``; weight decay moves no frozen parameter), but
-    one the step scales or resets (``p * 0.9``, ``p * schedule(count)``) is the step's own
-    rule, which a scheme that freezes it would silently drop.
+    ``leaves``: the variables of ``jaxpr`` that hold the leaf; ``optimizer``: those that hold
+    optimizer state. The update ``u`` must be zero (set_to_zero's ``p + 0``) or read the
+    optimizer's state, a gradient or the leaf: a frozen parameter with such a new value is
+    kept (weight decay moves no frozen parameter). Anything else is the step's own rule, which
+    a scheme that freezes it would silently drop: ``p * 0.9``, ``p * schedule(count)``,
+    ``0.9 * p + 0.1``, ``max(p * 0.9, 0.5)``, ``0.9 * p + 0.1 * std(h)``, a reset.
     """
     producer = {o: e for e in jaxpr.eqns for o in e.outvars}
-    reads = set(leaves)
+    reads = set(leaves)  # computed from the leaf
+    updating = set(leaves) | set(optimizer)  # computed from the leaf, the state or a gradient
     for e in jaxpr.eqns:
-        if any(not isinstance(a, C.Literal) and a in reads for a in e.invars):
+        ins = [a for a in e.invars if not isinstance(a, C.Literal)]
+        if any(a in reads for a in ins):
             reads.update(e.outvars)
+        if e.primitive is tags.grad_tag_p or any(a in updating for a in ins):
+            updating.update(e.outvars)
     dtype = next(iter(leaves)).aval.dtype
 
-    def check(a) -> bool:
-        if not isinstance(a, C.Literal) and a in leaves:
+    def var(a) -> bool:
+        return not isinstance(a, C.Literal)
+
+    def zero(a) -> bool:  # a holds 0 everywhere
+        if not var(a):
+            return bool(np.all(np.asarray(a.val) == 0))
+        e = producer.get(a)
+        if e is None:
+            return False
+        name = e.primitive.name
+        if name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "copy", "copy_p",
+                    "convert_element_type", "neg", "div"):
+            return zero(e.invars[0])
+        if name == "mul":
+            return any(zero(b) for b in e.invars)
+        if name in ("add", "add_any", "sub", "select_n"):
+            return all(zero(b) for b in e.invars[name == "select_n":])
+        return False
+
+    def scaled(a) -> bool:  # p * s, s a scalar not computed from p (decay written by hand)
+        e = producer.get(a) if var(a) else None
+        if e is None or e.primitive.name != "mul":
+            return False
+        x, y = e.invars
+        return any(applied(b) and not c.aval.shape and not (var(c) and c in reads) for b, c in ((x, y), (y, x)))
+
+    def applied(a) -> bool:
+        if var(a) and a in leaves:
             return True
-        e = None if isinstance(a, C.Literal) else producer.get(a)
+        e = producer.get(a) if var(a) else None
         if e is None:
             return False
         name = e.primitive.name
         if e.primitive is tags.param_tag_p or name in ("copy", "copy_p"):
-            return check(e.invars[0])
+            return applied(e.invars[0])
         if name == "convert_element_type":  # exact when the new dtype holds every value of the leaf's
             new = e.params["new_dtype"]
-            return jnp.promote_types(dtype, new) == new and check(e.invars[0])
+            return jnp.promote_types(dtype, new) == new and applied(e.invars[0])
         if name == "select_n":
-            return all(check(b) for b in e.invars[1:])
-        if name in _UPDATE_APPLIED:
-            return any(not isinstance(b, C.Literal) and b in reads for b in e.invars)
+            return all(applied(b) for b in e.invars[1:])
+        if name in ("add", "add_any", "sub"):
+            x, y = e.invars
+            pairs = ((x, y),) if name == "sub" else ((x, y), (y, x))
+            return any((applied(b) or scaled(b)) and (zero(u) or (var(u) and u in updating)) for b, u in pairs)
+        if name in ("clamp", "max", "min"):
+            from_leaf = [b for b in e.invars if var(b) and b in reads]
+            return bool(from_leaf) and all(applied(b) for b in from_leaf)
         bodies = (e.params["branches"], 1) if name == "cond" else (
             ([e.params[_interp.CALL_BODY[e.primitive]]], 0) if e.primitive in _interp.CALL_BODY else None)
         if bodies is None:
@@ -319,15 +356,17 @@ def _update_applied(v, leaves: set, jaxpr) -> bool:
         k = e.outvars.index(a)
         for sub in subs:
             body = _interp.open_jaxpr(sub)
-            inner = {b for b, x in zip(body.invars, e.invars[offset:]) if not isinstance(x, C.Literal) and x in leaves}
-            if not inner or not _update_applied(body.outvars[k], inner, body):
+            pairs = [(b, x) for b, x in zip(body.invars, e.invars[offset:]) if var(x)]
+            inner = {b for b, x in pairs if x in leaves or (x in reads and applied(x))}
+            state = {b for b, x in pairs if x in updating or zero(x)}
+            if not inner or not _update_applied(body.outvars[k], inner, body, state):
                 return False
         return True
 
-    return check(v)
+    return applied(v)
 
 
-def _dependencies(jaxpr, in_deps: list, scalar_params: frozenset = frozenset()) -> list:
+def _dependencies(jaxpr, in_deps: list, scalar_params: frozenset = frozenset(), adjust=None) -> list:
     """What each output of ``jaxpr`` reads: ``("in", i)`` for input ``i`` (as ``in_deps``
     gives the inputs'), ``("grad", k)`` for parameter ``k``'s gradient tag.
 
@@ -338,7 +377,7 @@ def _dependencies(jaxpr, in_deps: list, scalar_params: frozenset = frozenset()) 
     its gradient. A ``scan``, ``while`` or ``cond`` is followed position by position
     (loop carries to a fixed point, a branch's outputs with its index's); another
     primitive with a body gives each output all its inputs and the gradients taken
-    inside it.
+    inside it. ``adjust(var, deps)`` may change a top-level variable's.
     """
     deps: dict = dict(zip(jaxpr.invars, in_deps))
     empty = frozenset()
@@ -366,6 +405,8 @@ def _dependencies(jaxpr, in_deps: list, scalar_params: frozenset = frozenset()) 
             outs = [every] * len(e.outvars)
         for o, d in zip(e.outvars, outs):
             deps[o] = d if o.aval.shape else scalar(d)
+            if adjust is not None:
+                deps[o] = adjust(o, deps[o])
     return [empty if isinstance(v, C.Literal) else deps.get(v, empty) for v in jaxpr.outvars]
 
 
@@ -467,15 +508,21 @@ def _refuse_unread_adapters(graph: TrainGraph, scheme: UpdateScheme) -> None:
 
     The usual cause is a loss that reads a copy of the original weights (a
     closure, a model bound before :func:`pockjax.add_adapters`) instead of
-    the params the step receives.
+    the params the step receives: then none is read. When some are, the
+    others are a warning (a pattern that also matches a module the loss does
+    not use).
     """
     if not scheme.has_lora:
         return
     read = gradient_tag_indices(graph.jaxpr)
-    unread = sorted({graph.in_paths[i].rsplit(".", 1)[0] for i, path in enumerate(graph.in_paths)
-                     if path.rsplit(".", 1)[-1] in ("lora_a", "lora_b") and scheme.lora_part(path) is not None
-                     and i not in read})
-    if unread:
+    adapters = {i: graph.in_paths[i].rsplit(".", 1)[0] for i, path in enumerate(graph.in_paths)
+                if path.rsplit(".", 1)[-1] in ("lora_a", "lora_b") and scheme.lora_part(path) is not None}
+    unread = sorted({t for i, t in adapters.items() if i not in read})
+    if unread and len(unread) < len(set(adapters.values())):
+        # some read: a pattern that also matches a module this loss does not use (a pooler)
+        warnings.warn(f"the LoRA adapters on {some(unread)} are never read by {graph.step_name}'s loss:"
+                      " they will not train", stacklevel=2)
+    elif unread:
         raise SchemeError(
             f"the scheme puts LoRA adapters on {some(unread)}, but {graph.step_name}'s loss never reads"
             " them (no gradient reaches them: they would never train). Read the parameters the step"
@@ -657,9 +704,10 @@ def _plan_eqn(eqn, req: _Requests, rules: dict, param_shapes: dict) -> tuple:
             for v, f in zip(eqn.invars, forms):
                 req.add(v, f)
             return ("sliced", forms, params, outs[0])
-    if eqn.primitive is _interp.P.cond_p and "dead" in outs and not any(isinstance(d, ChannelSelect) for d in outs):
+    if eqn.primitive is _interp.P.cond_p and "dead" in outs:
         # a branch computing what nobody reads (apply_if_finite's update of a frozen parameter's
-        # state, which a sparse state does not hold): pruned, so that its operands are not read
+        # state, which a sparse state does not hold): pruned, so that its operands are not read;
+        # the outputs read come out whole (a reader of some channels slices them)
         used_ins, pruned = DCE_RULES[eqn.primitive]([d != "dead" for d in outs], eqn)
         for v, used in zip(eqn.invars, used_ins):
             if used:
@@ -763,11 +811,16 @@ def _write(env: dict, v, form, x) -> None:
         env[v] = (form, x)
 
 
-def _evaluate(eqns, modes, env: dict, req: _Requests, nested) -> None:
-    """Run ``eqns`` on tracers in ``env``, each computing its planned form."""
+def _evaluate(eqns, modes, env: dict, req: _Requests, nested, kept: dict | None = None) -> None:
+    """Run ``eqns`` on tracers in ``env``, each computing its planned form; a variable in
+    ``kept`` (a frozen parameter's new value) takes its input's value (``kept[var]``)."""
     for eqn, mode in zip(eqns, modes):
         if mode[0] != "dead":
             _EVALUATE[mode[0]](eqn, mode, env, req, nested)
+            for v in eqn.outvars if kept else ():
+                if v in kept and v in env:
+                    form = env[v][0]
+                    env[v] = (form, _read(env, kept[v], form))
 
 
 def _eval_zero(eqn, mode, env, req, nested) -> None:
@@ -972,7 +1025,8 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
     modes = _plan(graph.jaxpr.eqns, req, rules, param_shapes)
     _check_sparse_state_use(graph, req, in_form, dropped_inputs)
 
-    new_closed = _retrace(graph, out_plan, in_form, dropped_inputs, modes, req, _nested_rule(rules))
+    new_closed = _retrace(graph, out_plan, in_form, dropped_inputs, modes, req, _nested_rule(rules),
+                          _kept_new_values(graph, input_rules))
     record = SparseGradRecord(
         scheme=scheme,
         rules=tuple((graph.in_paths[i], r) for i, r in rules.items()),
@@ -1003,15 +1057,15 @@ def _output_plan(graph: TrainGraph, input_rules: list[RuleOf], sparse_opt_state:
     only the slice (sparse optimizer state); ``("whole",)``: the new value.
     """
     out_plan = []
-    averages = _averages_of_new_parameters(graph, input_rules)
+    averages = _averages_of_parameters(graph, input_rules)
     for o, i in enumerate(graph.out_to_in):
         rule = input_rules[i] if i is not None else Full()
         if o in averages:  # computed as the step computes it, from the kept parameter
             if sparse_opt_state:
                 raise PockjaxError(
                     f"optimizer state {graph.in_paths[i]!r} of the frozen parameter"
-                    f" {graph.in_paths[graph.param_of[i]]!r} is computed from the parameter's new value (an"
-                    " average of the weights, optax.ema?), so it changes though the parameter is kept: pass"
+                    f" {graph.in_paths[graph.param_of[i]]!r} is computed from the parameter (an average of the"
+                    " weights, optax.ema?), so it changes though the parameter is kept: pass"
                     " the full state, tx.init(params), instead of pockjax.init_opt_state")
             out_plan.append(("whole",))
         elif isinstance(rule, Frozen):
@@ -1024,35 +1078,50 @@ def _output_plan(graph: TrainGraph, input_rules: list[RuleOf], sparse_opt_state:
     return out_plan
 
 
-def _averages_of_new_parameters(graph: TrainGraph, input_rules: list[RuleOf]) -> set[int]:
-    """The outputs of optimizer state mirroring a frozen parameter that read the parameter's
-    new value (``optax.ema`` of the updated weights kept in the optimizer state).
+def _averages_of_parameters(graph: TrainGraph, input_rules: list[RuleOf]) -> set[int]:
+    """The outputs of optimizer state mirroring a frozen parameter that average the parameter
+    (``optax.ema`` of the weights, old or updated, kept in the optimizer state).
 
     Gradient optimizer state (moments, momentum) of a frozen parameter is kept, as
     PyTorch keeps the state of a parameter without a gradient. An average of the
-    weights is not: under ``jax.jit`` it keeps following the (kept) parameter, and
-    its count advances anyway, so keeping it would debias a stale average towards 0.
+    weights is not: under ``jax.jit`` it keeps following the (kept) parameter, and its
+    count advances anyway, so keeping it would debias a stale average towards 0. Such
+    state reads the parameter's value (its input, or its new value, which the rewritten
+    step holds at the kept value: :func:`_kept_new_values`) and not its gradient.
     """
     jaxpr = graph.jaxpr
-    new_value = {}
-    for o, i in enumerate(graph.out_to_in):
-        v = jaxpr.outvars[o]
-        if i is not None and graph.in_roles[i] == PARAM and not isinstance(v, C.Literal) and v is not jaxpr.invars[i]:
-            new_value[i] = v
-    wanted = {o: new_value[graph.param_of[i]] for o, i in enumerate(graph.out_to_in)
-              if i is not None and graph.in_roles[i] == OPT_STATE and graph.param_of[i] in new_value
-              and isinstance(input_rules[i], Frozen)}
+    frozen = {i for i, r in enumerate(graph.in_roles) if r == PARAM and isinstance(input_rules[i], Frozen)}
+    wanted = {o: graph.param_of[j] for o, j in enumerate(graph.out_to_in) if j is not None
+              and graph.in_roles[j] == OPT_STATE and graph.param_of[j] in frozen}
     if not wanted:
         return set()
-    reads: dict = {}  # var -> the new parameter values it reads
-    targets = set(new_value.values())
-    for e in jaxpr.eqns:
-        got = frozenset().union(*(reads.get(a, frozenset()) for a in e.invars if not isinstance(a, C.Literal)))
-        got |= frozenset(a for a in e.invars if not isinstance(a, C.Literal) and a in targets)
-        for v in e.outvars:
-            reads[v] = got
-    return {o for o, target in wanted.items()
-            if not isinstance(jaxpr.outvars[o], C.Literal) and target in reads.get(jaxpr.outvars[o], ())}
+    new_of = _kept_new_values(graph, input_rules)
+
+    def kept(v, d):  # the new value holds the kept parameter: it reads the parameter, not its gradient
+        i = new_of.get(v)
+        return d if i is None else (d - {("grad", i)}) | {("in", i)}
+
+    deps = _dependencies(jaxpr, [frozenset({("in", i)}) for i in range(len(jaxpr.invars))], adjust=kept)
+    return {o for o, i in wanted.items() if ("in", i) in deps[o] and ("grad", i) not in deps[o]}
+
+
+def _kept_new_values(graph: TrainGraph, input_rules: list[RuleOf]) -> dict:
+    """``{new value variable: frozen parameter index}``: the values a frozen parameter's update
+    computes, which the rewritten step replaces by the kept parameter for every other reader
+    (an average of the weights reads the weights as they are: decay moves no frozen one)."""
+    jaxpr = graph.jaxpr
+    out = {}
+    whole = set()
+    for o, i in enumerate(graph.out_to_in):
+        v = jaxpr.outvars[o]
+        if isinstance(v, C.Literal):
+            continue
+        if i is not None and graph.in_roles[i] == PARAM and isinstance(input_rules[i], Frozen):
+            if v is not jaxpr.invars[i]:
+                out.setdefault(v, i)
+        else:
+            whole.add(v)
+    return {v: i for v, i in out.items() if v not in whole}
 
 
 def _input_forms(graph: TrainGraph, input_rules: list[RuleOf], sparse_opt_state: bool) -> tuple[dict, set]:
@@ -1094,11 +1163,12 @@ def _seed_demands(graph: TrainGraph, out_plan: list[tuple], dropped_inputs: set)
 
 
 def _retrace(graph: TrainGraph, out_plan, in_form: dict, dropped_inputs: set, modes, req: _Requests,
-             nested) -> C.ClosedJaxpr:
+             nested, kept_values: dict) -> C.ClosedJaxpr:
     """Re-trace the step, each value computed in its demanded form, outputs as planned."""
     jaxpr = graph.jaxpr
     invars, outvars = jaxpr.invars, jaxpr.outvars
     kept_inputs = [i for i in range(len(invars)) if i not in dropped_inputs]
+    kept = {v: invars[i] for v, i in kept_values.items()}
 
     def run(*args):
         env: dict = {}
@@ -1106,7 +1176,7 @@ def _retrace(graph: TrainGraph, out_plan, in_form: dict, dropped_inputs: set, mo
             env[invars[i]] = (in_form[invars[i]], x)
         for v, c in zip(jaxpr.constvars, graph.closed_jaxpr.consts):
             env[v] = (None, c)
-        _evaluate(jaxpr.eqns, modes, env, req, nested)
+        _evaluate(jaxpr.eqns, modes, env, req, nested, kept)
         return [_output_value(env, invars, v, plan) for v, plan in zip(outvars, out_plan)
                 if not (plan[0] == "keep" and plan[1] in dropped_inputs)]
 
