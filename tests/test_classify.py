@@ -200,3 +200,39 @@ def test_cli_finetunes_a_pretrained_classifier_on_shipped_data(tmp_path, model, 
     if model == "mobilenetv2":
         assert "blocks.3.depthwise.norm.mean" in weights  # BatchNorm statistics saved too
     assert not [p for p in os.listdir(tmp_path) if p != "run"]  # no temporaries left
+
+
+class _Tiny(nnx.Module):
+    def __init__(self, rngs):
+        self.config = type("Config", (), {"num_classes": 3})()
+        self.lin = nnx.Linear(4, 3, rngs=rngs)
+        self.bn = nnx.BatchNorm(3, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.bn(self.lin(x)))
+
+
+@pytest.mark.parametrize("labels, message", [
+    (np.zeros(9, np.int32), "input 0 has 10 examples, the labels 9"),      # was an accuracy of 1.11
+    (np.zeros((10, 1), np.int32), r"one per example \(1-D\), got shape \(10, 1\)"),  # was 3.6
+    (np.full(10, 3), r"class indices in \[0, 3\), got 3"),
+    (np.full(10, -1), r"class indices in \[0, 3\), got -1"),                # -1 trained as the last class
+])
+def test_classifier_labels_are_checked(labels, message):
+    m = _Tiny(nnx.Rngs(0))
+    x = np.ones((10, 4), np.float32)
+    with pytest.raises(pockjax.errors.InputError, match=message):
+        evaluate_classifier(m, [x], labels, batch_size=4)
+    if len(labels) == 10 and labels.ndim == 1:
+        with pytest.raises(pockjax.errors.InputError, match="training batch 1: .*" + message):
+            train_classifier(m, pockjax.UpdateScheme.full(), [(x, labels)], optimizer="sgd", lr=0.1)
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_evaluation_leaves_the_model_in_the_mode_it_came_in(mode):
+    # it always ended in train mode: dropout on and batch statistics updating in a later inference
+    m = _Tiny(nnx.Rngs(0))
+    getattr(m, mode)()
+    assert 0.0 <= evaluate_classifier(m, [np.ones((5, 4), np.float32)], np.zeros(5, np.int32)) <= 1.0
+    assert m.drop.deterministic == (mode == "eval") and m.bn.use_running_average == (mode == "eval")

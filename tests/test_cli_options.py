@@ -174,3 +174,14 @@ def test_plan_and_memory_refuse_sizes_they_cannot_trace(capsys, argv):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert f"{argv[1]} {argv[2]} is more than pockjax {argv[0]} takes: at most" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "all-minilm-l6-v2", "--image-size", "48"], "--image-size is for --model mobilenetv2"),
+    (["--model", "mobilenetv2", "--scheme", "bias-only", "--fraction", "0.3"],
+     "--fraction is the 'channels' scheme's; --scheme bias-only does not take it"),
+])
+def test_classifier_options_with_no_effect_are_refused(capsys, argv, message):
+    # they ran, and run.json recorded image_size 48 / fraction 0.3 that had no effect
+    assert pockjax.cli.main(["finetune", *argv, "--steps", "1"]) == 2
+    assert message in capsys.readouterr().err

@@ -175,6 +175,8 @@ def train_classifier(model, scheme: pockjax.UpdateScheme, batches: Iterable[Sequ
     step = step or pockjax.compile(classify_train_step, scheme=scheme)
     losses = []
     for i, batch in enumerate(batches):
+        *inputs, labels = batch
+        _check_labels(model, inputs, labels, f"training batch {i + 1}")
         loss = float(step(model, opt, *[jnp.asarray(b) for b in batch]))
         if not math.isfinite(loss):
             raise NonFiniteError(f"training stopped at step {i + 1}: the loss is {loss};"
@@ -199,7 +201,8 @@ def _predictor():
 
 def evaluate_classifier(model, inputs: Sequence[np.ndarray], labels: np.ndarray, *,
                         batch_size: int = 128) -> float:
-    """Accuracy of ``model`` (put in eval mode) on ``inputs``/``labels``, in batches.
+    """Accuracy of ``model`` in eval mode on ``inputs``/``labels``, in batches; the model is
+    left in the mode it came in. Labels are checked (one per example, in ``[0, classes)``).
 
     Example:
       >>> from flax import nnx
@@ -207,19 +210,52 @@ def evaluate_classifier(model, inputs: Sequence[np.ndarray], labels: np.ndarray,
       >>> 0.0 <= evaluate_classifier(m, [np.ones((5, 2), np.float32)], np.zeros(5, np.int32)) <= 1.0
       True
     """
-    if hasattr(model, "eval"):
-        model.eval()
-    predict = _predictor()
     n = len(labels)
     if n == 0:
         raise InputError("no held-out examples to evaluate on")
+    _check_labels(model, inputs, labels, "the held-out examples")
+    modes = _modes(model)
+    if hasattr(model, "eval"):
+        model.eval()
+    predict = _predictor()
     right = 0
-    for s in range(0, n, batch_size):
-        part = [jnp.asarray(x[s:s + batch_size]) for x in inputs]
-        right += int(jnp.sum(predict(model, *part) == jnp.asarray(labels[s:s + batch_size])))
-    if hasattr(model, "train"):
-        model.train()
+    try:
+        for s in range(0, n, batch_size):
+            part = [jnp.asarray(x[s:s + batch_size]) for x in inputs]
+            right += int(jnp.sum(predict(model, *part) == jnp.asarray(labels[s:s + batch_size])))
+    finally:
+        for module, attr, value in modes:  # the mode it came in (train or eval), as it was
+            setattr(module, attr, value)
     return right / n
+
+
+def _modes(model) -> list:
+    """``(module, attribute, value)`` of the train/eval switches of ``model``'s modules."""
+    from flax import nnx
+
+    if not isinstance(model, nnx.Module):
+        return []
+    return [(m, attr, getattr(m, attr)) for _, m in nnx.iter_modules(model)
+            for attr in ("deterministic", "use_running_average") if hasattr(m, attr)]
+
+
+def _check_labels(model, inputs, labels, where: str) -> None:
+    """Labels one per example (1-D, as long as every input), whole numbers in ``[0, classes)``:
+    a shorter label array was broadcast against the predictions (an accuracy above 1), and a
+    label of -1 trained as the last class."""
+    labels = np.asarray(labels)
+    if labels.ndim != 1:
+        raise InputError(f"{where}: labels must be one per example (1-D), got shape {labels.shape}")
+    for k, x in enumerate(inputs):
+        if len(x) != len(labels):
+            raise InputError(f"{where}: input {k} has {len(x)} examples, the labels {len(labels)}")
+    if labels.size and not np.all(np.equal(np.mod(labels, 1), 0)):
+        raise InputError(f"{where}: labels must be whole numbers (class indices)")
+    classes = getattr(getattr(model, "config", None), "num_classes", None)
+    low, high = (labels.min(), labels.max()) if labels.size else (0, 0)
+    if low < 0 or (classes is not None and high >= classes):
+        raise InputError(f"{where}: labels must be class indices in [0, {classes if classes else 'classes'}),"
+                         f" got {int(low) if low < 0 else int(high)}")
 
 
 # -- the command ------------------------------------------------------------------------

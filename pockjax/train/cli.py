@@ -37,6 +37,12 @@ def run_classifier(args: argparse.Namespace) -> int:
         what = "--resume" if args.resume else "--data" if args.data else "--seq-len"
         return _error("finetune", ValueError(f"{what} is not available for --model {args.model}"
                                              " (classifiers train on a built-in --task)"))
+    # an option that would have no effect, recorded in run.json as if it had, is refused
+    if "image_size" in given and args.model != "mobilenetv2":
+        return _error("finetune", ValueError(f"--image-size is for --model mobilenetv2, not {args.model}"))
+    if "fraction" in given and args.scheme != "channels":
+        return _error("finetune", ValueError(f"--fraction is the 'channels' scheme's; --scheme {args.scheme}"
+                                             " does not take it"))
     fields = {k: getattr(args, k) for k in ("model", "scheme", "blocks", "seed", "out")}
     # options left at the LLaMA run's defaults take the classifier's own
     for name in ("task", "optimizer", "lr", "steps", "batch_size", "eval_examples", "seq_len"):
@@ -240,11 +246,11 @@ def register(subparsers) -> None:
                    help="hold the frozen matrices block-quantized: int8 (Q8_0) or int4 (Q4_1; a GGUF"
                         " file's own Q4_0/Q4_1 blocks are kept as they are); dequantized per product"
                         " inside the step (LLaMA models)")
-    p.add_argument("--image-size", type=positive_int, default=_IMAGE_SIZE,
+    p.add_argument("--image-size", type=positive_int, default=_IMAGE_SIZE, action=StoreGiven,
                    help="classifiers: image side in pixels (mobilenetv2)")
     p.add_argument("--train-per-class", type=non_negative_int, default=_PER_CLASS,
                    help="classifiers: training examples per class (0: all)")
-    p.add_argument("--fraction", type=probability, default=0.5,
+    p.add_argument("--fraction", type=probability, default=0.5, action=StoreGiven,
                    help="classifiers: the 'channels' scheme's fraction of output channels")
     p.add_argument("--fail-below", type=float_in(0.0, 1.0), default=None, metavar="ACC",
                    help="exit with status 1 if the held-out accuracy ends below ACC")
