@@ -732,9 +732,11 @@ def test_an_nnx_model_and_optimizer_keeps_the_models_paths():
                                 # the update is made inside a cond (the skip test, the finite check)
                                 optax.MultiSteps(optax.adamw(1e-1, weight_decay=0.5), 2),
                                 optax.apply_if_finite(optax.adamw(1e-1, weight_decay=0.5), 3),
-                                optax.apply_if_finite(optax.chain(optax.add_decayed_weights(0.5), optax.sgd(0.1)), 3)],
+                                optax.apply_if_finite(optax.chain(optax.add_decayed_weights(0.5), optax.sgd(0.1)), 3),
+                                # L2 before momentum: its trace reads b and no gradient, yet is no average
+                                optax.chain(optax.add_decayed_weights(0.5), optax.sgd(0.1, momentum=0.9))],
                          ids=["adamw", "decay-sgd", "decay-clip-sgd", "multisteps-adamw", "if-finite-adamw",
-                              "if-finite-decay-sgd"])
+                              "if-finite-decay-sgd", "l2-momentum"])
 def test_a_frozen_parameter_the_loss_does_not_read_stays_frozen(tx):
     # Its gradient is a zero autodiff leaves untagged, so pockjax took it for model state:
     # AdamW's weight decay moved the frozen 'b' (1.0 -> 0.95 in a step), and the state of
@@ -1215,7 +1217,7 @@ def test_a_statistic_behind_a_finite_check_of_the_gradients_is_refused(guard):
 
 
 @pytest.mark.parametrize("rule", ["decay-after", "decay-by-hand", "clip", "lr-argument", "skip-if-not-finite",
-                                  "clip-in-skip"])
+                                  "clip-in-skip", "clip-update", "sign-update"])
 def test_a_frozen_parameter_moved_only_by_decay_a_clip_or_a_skip_is_kept(rule):
     # set_to_zero freezes 'w'; what else moves it is the optimizer's (decay, a clip, a skip on a
     # non-finite loss): kept, as PyTorch keeps a parameter without a gradient. These were refused
@@ -1223,7 +1225,10 @@ def test_a_frozen_parameter_moved_only_by_decay_a_clip_or_a_skip_is_kept(rule):
     params = {"w": jnp.full((4, 3), 0.1), "b": jnp.zeros((3,)), "head": jnp.ones((3, 1))}
     x, y = jnp.arange(8.0).reshape(2, 4) / 8, jnp.ones((2, 1))
     mt = optax.multi_transform({"a": optax.adam(0.1), "z": optax.set_to_zero()}, {"w": "z", "b": "a", "head": "a"})
-    tx = optax.chain(mt, optax.add_decayed_weights(0.1), optax.scale(-0.1)) if rule == "decay-after" else mt
+    tx = {"decay-after": optax.chain(mt, optax.add_decayed_weights(0.1), optax.scale(-0.1)),
+          # set_to_zero's zeros clipped, or their sign taken: still zero (review finding: refused)
+          "clip-update": optax.chain(mt, optax.clip(0.5)),
+          "sign-update": optax.chain(mt, optax.scale_by_sign(), optax.scale(-0.01))}.get(rule, mt)
 
     def make(frozen_w):
         def step(p, s, x, y, lr):

@@ -226,6 +226,8 @@ def evaluate_classifier(model, inputs: Sequence[np.ndarray], labels: np.ndarray,
     finally:
         for module, attr, value in modes:  # the mode it came in (train or eval), as it was
             setattr(module, attr, value)
+        if not modes and hasattr(model, "train"):  # a model whose mode cannot be read: train mode
+            model.train()
     return right / n
 
 

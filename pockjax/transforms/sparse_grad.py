@@ -312,13 +312,29 @@ def _update_applied(v, leaves: set, jaxpr, optimizer: set) -> bool:
             return False
         name = e.primitive.name
         if name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "copy", "copy_p",
-                    "convert_element_type", "neg", "div"):
+                    "convert_element_type", "neg", "div", "sign", "abs"):
             return zero(e.invars[0])
         if name == "mul":
             return any(zero(b) for b in e.invars)
         if name in ("add", "add_any", "sub", "select_n"):
             return all(zero(b) for b in e.invars[name == "select_n":])
+        if name in ("max", "min", "clamp"):  # a clip of a zero update whose bounds hold 0 (optax.clip)
+            x = e.invars[1] if name == "clamp" else next((b for b in e.invars if zero(b)), None)
+            bounds = [constant(b) for b in e.invars if b is not x]
+            if x is None or not zero(x) or any(c is None for c in bounds):
+                return False
+            if name == "clamp":
+                return bool(np.all(bounds[0] <= 0) and np.all(bounds[1] >= 0))
+            return bool(np.all(bounds[0] <= 0)) if name == "max" else bool(np.all(bounds[0] >= 0))
         return False
+
+    def constant(a):  # the value of a literal, or of a broadcast or cast of one; else None
+        while var(a):
+            e = producer.get(a)
+            if e is None or e.primitive.name not in ("broadcast_in_dim", "convert_element_type", "reshape"):
+                return None
+            a = e.invars[0]
+        return np.asarray(a.val)
 
     def scaled(a) -> bool:  # p * s, s a scalar not computed from p (decay written by hand)
         e = producer.get(a) if var(a) else None
@@ -1090,7 +1106,11 @@ def _averages_of_parameters(graph: TrainGraph, input_rules: list[RuleOf]) -> set
     step holds at the kept value: :func:`_kept_new_values`) and not its gradient.
     """
     jaxpr = graph.jaxpr
-    frozen = {i for i, r in enumerate(graph.in_roles) if r == PARAM and isinstance(input_rules[i], Frozen)}
+    # a parameter the loss reads (one it does not read has no gradient to tell its momentum
+    # under L2 decay, g + wd * p + m * trace, from an average)
+    read = gradient_tag_indices(jaxpr)
+    frozen = {i for i, r in enumerate(graph.in_roles)
+              if r == PARAM and isinstance(input_rules[i], Frozen) and i in read}
     wanted = {o: graph.param_of[j] for o, j in enumerate(graph.out_to_in) if j is not None
               and graph.in_roles[j] == OPT_STATE and graph.param_of[j] in frozen}
     if not wanted:
@@ -1119,7 +1139,7 @@ def _kept_new_values(graph: TrainGraph, input_rules: list[RuleOf]) -> dict:
         if i is not None and graph.in_roles[i] == PARAM and isinstance(input_rules[i], Frozen):
             if v is not jaxpr.invars[i]:
                 out.setdefault(v, i)
-        else:
+        elif i is not None and graph.in_roles[i] == PARAM:  # also a trained leaf's value: left as is
             whole.add(v)
     return {v: i for v, i in out.items() if v not in whole}
 
