@@ -362,7 +362,7 @@ def _optimizer_driven(jaxpr, own_state: set, stateless: set, in_roles, n_state_l
     new value mixes in anything else (the batch, an EMA of the new weights
     kept in the tree, a statistic of other weights), even if the optimizer
     updated it first. ``jaxpr`` has its branches as selects
-    (:func:`_branches_as_selects`); a loop counts as one equation.
+    (``inline_calls(..., branches="select")``); a loop counts as one equation.
     """
     stateless = {i for i in stateless if jaxpr.invars[i].aval.shape}
     if not own_state and not stateless:
@@ -448,38 +448,6 @@ def _scaled_on_the_way(v, i: int, sources: dict, producer: dict) -> bool:
             return True
         todo += reads
     return False
-
-
-def _branches_as_selects(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
-    """An analysis view of ``closed`` with no ``cond`` at its top level (nor in a ``jit``
-    inside a branch); a ``cond`` inside another primitive's body stays.
-
-    Every branch is inlined and each output selects among them by the index
-    (``apply_if_finite``'s update or zeros; :func:`inline_calls` has already
-    inlined a branch picked by a constant). It computes what the step
-    computes, so the rules that classify leaves by the equations that make their
-    new values see through the branches position by position. Never compiled.
-    """
-    from pockjax._src import jaxpr as core
-
-    if not any(e.primitive is core.P.cond_p for e in closed.jaxpr.eqns):
-        return closed
-
-    def rule(eqn, invals):
-        if eqn.primitive in (C.primitives.jit_p, C.primitives.closed_call_p):
-            body = eqn.params[core.CALL_BODY[eqn.primitive]]
-            return core.eval_jaxpr_with(core.open_jaxpr(body), list(getattr(body, "consts", [])), invals, rule)
-        if eqn.primitive is not core.P.cond_p or eqn.effects:
-            return None
-        branches = eqn.params["branches"]
-        index, ops = invals[0], invals[1:]
-        outs = [core.eval_jaxpr_with(b.jaxpr, b.consts, ops, rule) for b in branches]
-        try:
-            return [jax.lax.select_n(index, *cases) for cases in zip(*outs)]
-        except (TypeError, ValueError):  # a case select_n cannot take (an opaque dtype): as it is
-            return None
-
-    return core.retrace(closed, rule)
 
 
 def _updated_by_own_state(jaxpr, ungraded: set, in_roles, in_paths, shapes, candidates,
@@ -631,7 +599,7 @@ def trace_step(
     # gradient that autodiff leaves untagged, and AdamW's decay still moves it (a scheme that
     # freezes it must then keep it, as PyTorch's requires_grad=False does).
     # (looked at with branches as selects: apply_if_finite and MultiSteps update inside a cond)
-    view = _branches_as_selects(closed) if ungraded else closed
+    view = inline_calls(closed, branches="select") if ungraded else closed
     own, with_state = _updated_by_own_state(view.jaxpr, set(ungraded), in_roles, in_paths,
                                             [a.shape for a in avals], candidates, n_state_args, per_arg_counts)
     # ... or, under an optimizer with no state for it, its weight decay alone moves it; either
@@ -700,7 +668,7 @@ def check_leaves(name: str, flat_args, paths) -> None:
         )
 
 
-def inline_calls(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
+def inline_calls(closed: C.ClosedJaxpr, branches: str = "constant") -> C.ClosedJaxpr:
     """Inline ``jit`` calls at the top level (and the top level of inlined bodies).
 
     A jitted helper (``jnp`` functions are jitted) is a call with no effect on
@@ -708,24 +676,39 @@ def inline_calls(closed: C.ClosedJaxpr) -> C.ClosedJaxpr:
     example, a channel slice reaches a weight-gradient ``dot_general`` that
     autodiff placed inside one. So is a ``cond`` whose index is a constant
     (its chosen branch). Other control flow (``scan``...) is kept.
+
+    With ``branches="select"`` every top-level ``cond`` is inlined: each output
+    selects among its branches' values by the index. That view computes what the
+    step computes, for analysis only (the rules that classify leaves); it is never
+    compiled, since it runs every branch.
     """
     from pockjax._src import jaxpr as core
+
+    if branches not in ("constant", "select"):
+        raise ValueError(f"inline_calls: branches must be 'constant' or 'select', not {branches!r}")
 
     def has_call(eqn):
         return eqn.primitive in (C.primitives.jit_p, C.primitives.closed_call_p)
 
-    def constant_branch(eqn):
-        return eqn.primitive is core.P.cond_p and isinstance(eqn.invars[0], C.Literal) and not eqn.effects
+    def inlined_branch(eqn):
+        return (eqn.primitive is core.P.cond_p and not eqn.effects
+                and (branches == "select" or isinstance(eqn.invars[0], C.Literal)))
 
-    if not any(has_call(e) or constant_branch(e) for e in closed.jaxpr.eqns):
+    if not any(has_call(e) or inlined_branch(e) for e in closed.jaxpr.eqns):
         return closed
 
     def rule(eqn, invals):
-        if constant_branch(eqn):  # a branch picked by a constant (optax.MultiSteps' skip test)
-            branches = eqn.params["branches"]
-            chosen = branches[int(np.clip(int(invals[0]), 0, len(branches) - 1))]
-            with C.source_context(eqn):
-                return core.eval_jaxpr_with(chosen.jaxpr, chosen.consts, invals[1:], rule)
+        if inlined_branch(eqn):
+            cases = eqn.params["branches"]
+            if isinstance(eqn.invars[0], C.Literal):  # a branch picked by a constant (optax.MultiSteps' skip test)
+                chosen = cases[int(np.clip(int(invals[0]), 0, len(cases) - 1))]
+                with C.source_context(eqn):
+                    return core.eval_jaxpr_with(chosen.jaxpr, chosen.consts, invals[1:], rule)
+            outs = [core.eval_jaxpr_with(b.jaxpr, b.consts, invals[1:], rule) for b in cases]
+            try:
+                return [jax.lax.select_n(invals[0], *vals) for vals in zip(*outs)]
+            except (TypeError, ValueError):  # a case select_n cannot take (an opaque dtype): as it is
+                return None
         if has_call(eqn):
             body = eqn.params[core.CALL_BODY[eqn.primitive]]
             inner = body.jaxpr if hasattr(body, "jaxpr") else body

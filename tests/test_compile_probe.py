@@ -560,8 +560,10 @@ def test_a_sparse_state_for_other_passes_is_refused_in_a_short_message():
 
 
 # -- gradients taken at a value computed from the parameters ---------------------------
-def _two_layer_loss(p, x, y):
-    return jnp.mean((jnp.tanh(x @ p["enc"]) @ p["head"] - y) ** 2)
+def _two_layer_loss(p, x, y, frozen: bool = False):
+    """tanh(x @ enc) @ head against y; ``frozen``: the reference of a frozen 'enc', its gradient stopped."""
+    enc = jax.lax.stop_gradient(p["enc"]) if frozen else p["enc"]
+    return jnp.mean((jnp.tanh(x @ enc) @ p["head"] - y) ** 2)
 
 
 def _sam_step(tx, shift_in_loss: bool, zero_frozen: bool = False):
@@ -1060,7 +1062,7 @@ def test_set_to_zero_then_a_global_scale_is_not_taken_for_an_overwritten_statist
                      else optax.clip_by_global_norm(1.0))
 
     def step(p, s, x, y):
-        loss, g = jax.value_and_grad(_two_layer_loss_named)(p, x, y)
+        loss, g = jax.value_and_grad(_two_layer_loss)(p, x, y)
         u, s = tx.update(g, s, p, value=loss)
         return optax.apply_updates(p, u), s, loss
 
@@ -1069,10 +1071,6 @@ def test_set_to_zero_then_a_global_scale_is_not_taken_for_an_overwritten_statist
     ref = jax.jit(step)(jax.tree.map(jnp.copy, params), tx.init(params), x, y)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
-
-
-def _two_layer_loss_named(p, x, y):
-    return jnp.mean((jnp.tanh(x @ p["enc"]) @ p["head"] - y) ** 2)
 
 
 def test_a_statistic_fed_from_a_scan_is_refused_too():
@@ -1269,24 +1267,21 @@ def test_a_frozen_parameter_moved_only_by_decay_a_clip_or_a_skip_is_kept(rule):
 
 @pytest.mark.parametrize("opt, of", [("adam", "new"), ("adam", "old"), ("adamw", "new")])
 def test_an_average_of_the_weights_in_the_optimizer_state_follows_a_frozen_parameter(opt, of):
-    # optax.ema of the weights kept beside the optimizer's state: its average of a frozen 'w' was
+    # optax.ema of the weights kept beside the optimizer's state: its average of a frozen 'enc' was
     # kept at 0 while its count advanced, so the debiased average fell 0.1 -> 0.0526 -> 0.0369;
     # it is the kept 0.1 (under adamw too: decay moves no frozen parameter, nor its average)
     tx = optax.adam(0.1) if opt == "adam" else optax.adamw(0.1, weight_decay=0.5)
     ema = optax.ema(0.9)
-    params = {"w": jnp.full((4, 3), 0.1), "head": jnp.ones((3, 1))}
+    params = {"enc": jnp.full((4, 3), 0.1), "head": jnp.ones((3, 1))}
     x, y = jnp.arange(8.0).reshape(2, 4) / 8, jnp.ones((2, 1))
 
-    def make(frozen_w):
+    def make(frozen):
         def step(p, s, x, y):
-            def loss(q):
-                w = jax.lax.stop_gradient(q["w"]) if frozen_w else q["w"]
-                return jnp.mean((jnp.tanh(x @ w) @ q["head"] - y) ** 2)
-            value, g = jax.value_and_grad(loss)(p)
+            value, g = jax.value_and_grad(_two_layer_loss)(p, x, y, frozen)
             u, os = tx.update(g, s[0], p)
             new = optax.apply_updates(p, u)
-            if frozen_w:
-                new = {**new, "w": p["w"]}  # the reference: w put back before the average reads it
+            if frozen:
+                new = {**new, "enc": p["enc"]}  # the reference: enc put back before the average reads it
             average, es = ema.update(new if of == "new" else p, s[1])
             return new, (os, es), average
         return step
@@ -1300,9 +1295,9 @@ def test_an_average_of_the_weights_in_the_optimizer_state_follows_a_frozen_param
         q, t, want = jax.jit(make(True))(q, t, x, y)
         for a, b in zip(jax.tree.leaves((p, s, got)), jax.tree.leaves((q, t, want))):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
-    np.testing.assert_allclose(np.asarray(got["w"]), 0.1, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got["enc"]), 0.1, atol=1e-6)
     sparse = (pockjax.init_opt_state(tx, params, scheme), pockjax.init_opt_state(ema, params, scheme))
-    with pytest.raises(pockjax.PockjaxError, match=r"'opt_state.1.ema.w' of the frozen parameter 'w' is computed"
+    with pytest.raises(pockjax.PockjaxError, match=r"'opt_state.1.ema.enc' of the frozen parameter 'enc' is computed"
                                                    r" from the parameter .*tx.init\(params\)"):
         f(jax.tree.map(jnp.copy, params), sparse, x, y)
 
@@ -1318,10 +1313,7 @@ def test_apply_if_finite_takes_a_sparse_state():
 
     def make(frozen):
         def step(p, s, x, y):
-            def loss(q):
-                enc = jax.lax.stop_gradient(q["enc"]) if frozen else q["enc"]
-                return jnp.mean((jnp.tanh(x @ enc) @ q["head"] - y) ** 2)
-            value, g = jax.value_and_grad(loss)(p)
+            value, g = jax.value_and_grad(_two_layer_loss)(p, x, y, frozen)
             u, s = tx.update(g, s, p)
             return optax.apply_updates(p, u), s, value
         return step

@@ -1032,7 +1032,8 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
     """The pass in named steps: rules, what each output becomes, demands, re-trace, bookkeeping."""
     rules = resolve_rules(graph, scheme, allow_nothing_trained=allow_nothing_trained)
     input_rules = _input_rules(graph, rules)
-    out_plan = _output_plan(graph, input_rules, sparse_opt_state)
+    kept_new = _kept_new_values(graph, input_rules)
+    out_plan = _output_plan(graph, input_rules, sparse_opt_state, kept_new)
     in_form, dropped_inputs = _input_forms(graph, input_rules, sparse_opt_state)
 
     req = _seed_demands(graph, out_plan, dropped_inputs)
@@ -1042,7 +1043,7 @@ def _sparse_grad(graph: TrainGraph, scheme: UpdateScheme, sparse_opt_state: bool
     _check_sparse_state_use(graph, req, in_form, dropped_inputs)
 
     new_closed = _retrace(graph, out_plan, in_form, dropped_inputs, modes, req, _nested_rule(rules),
-                          _kept_new_values(graph, input_rules))
+                          kept_new)
     record = SparseGradRecord(
         scheme=scheme,
         rules=tuple((graph.in_paths[i], r) for i, r in rules.items()),
@@ -1065,7 +1066,8 @@ def _input_rules(graph: TrainGraph, rules: dict[int, RuleOf]) -> list[RuleOf]:
     return out
 
 
-def _output_plan(graph: TrainGraph, input_rules: list[RuleOf], sparse_opt_state: bool) -> list[tuple]:
+def _output_plan(graph: TrainGraph, input_rules: list[RuleOf], sparse_opt_state: bool,
+                 kept_new: dict) -> list[tuple]:
     """What each output becomes.
 
     ``("keep", i)``: the old input ``i``; ``("select", i, sel)``: old input
@@ -1073,7 +1075,7 @@ def _output_plan(graph: TrainGraph, input_rules: list[RuleOf], sparse_opt_state:
     only the slice (sparse optimizer state); ``("whole",)``: the new value.
     """
     out_plan = []
-    averages = _averages_of_parameters(graph, input_rules)
+    averages = _averages_of_parameters(graph, input_rules, kept_new)
     for o, i in enumerate(graph.out_to_in):
         rule = input_rules[i] if i is not None else Full()
         if o in averages:  # computed as the step computes it, from the kept parameter
@@ -1094,7 +1096,7 @@ def _output_plan(graph: TrainGraph, input_rules: list[RuleOf], sparse_opt_state:
     return out_plan
 
 
-def _averages_of_parameters(graph: TrainGraph, input_rules: list[RuleOf]) -> set[int]:
+def _averages_of_parameters(graph: TrainGraph, input_rules: list[RuleOf], new_of: dict) -> set[int]:
     """The outputs of optimizer state mirroring a frozen parameter that average the parameter
     (``optax.ema`` of the weights, old or updated, kept in the optimizer state).
 
@@ -1115,7 +1117,6 @@ def _averages_of_parameters(graph: TrainGraph, input_rules: list[RuleOf]) -> set
               and graph.in_roles[j] == OPT_STATE and graph.param_of[j] in frozen}
     if not wanted:
         return set()
-    new_of = _kept_new_values(graph, input_rules)
 
     def kept(v, d):  # the new value holds the kept parameter: it reads the parameter, not its gradient
         i = new_of.get(v)
