@@ -177,6 +177,23 @@ def test_cli_refuses_llama_training_options_for_a_classifier(argv, message, caps
     assert message in capsys.readouterr().err
 
 
+def test_cli_refuses_an_out_that_holds_files(tmp_path, capsys):
+    # the run's directory took the place of a non-empty --out whole: a user's file, or another
+    # run (a LLaMA run's weights and resume state), was deleted without a word
+    from pockjax.cli import main as cli_main
+
+    out = tmp_path / "victim"
+    out.mkdir()
+    (out / "IMPORTANT.txt").write_text("precious")
+    argv = ["finetune", "--model", "mobilenetv2", "--steps", "1", "--no-progress", "--out", str(out)]
+    assert cli_main(argv) == 2
+    assert "already exists and is not an empty directory" in capsys.readouterr().err
+    assert (out / "IMPORTANT.txt").read_text() == "precious"
+    (tmp_path / "a-file").write_text("x")
+    assert cli_main([*argv[:-1], str(tmp_path / "a-file")]) == 2
+    assert (tmp_path / "a-file").read_text() == "x"
+
+
 @pytest.mark.parametrize("model,extra", [
     ("mobilenetv2", ["--image-size", "32", "--train-per-class", "8", "--batch-size", "16"]),
     ("all-minilm-l6-v2", ["--seq-len", "24", "--train-per-class", "16", "--batch-size", "8"]),

@@ -403,11 +403,23 @@ def test_health_scalar_in_the_compiled_step(target):
     assert np.isnan(float(loss)) and not np.isfinite(float(health))
 
 
+def _as_written(out, rel):
+    """Records ``rel``'s digest as the run's own: a file the run wrote so (the content checks that
+    follow the digests, which runs written before them rely on)."""
+    from pockjax.runtime.module import file_sha256
+
+    tj = os.path.join(out, "state", "trainer.json")
+    trainer = json.load(open(tj))
+    trainer["sha256"][rel] = file_sha256(os.path.join(out, rel))
+    json.dump(trainer, open(tj, "w"))
+
+
 def test_resume_with_corrupt_metrics_names_the_file(run4, tmp_path):
     out = str(tmp_path / "run")
     shutil.copytree(run4, out)
     with open(os.path.join(out, "metrics.json"), "w") as f:
         f.write("{not json")
+    _as_written(out, "metrics.json")
     with pytest.raises(FileFormatError, match=r"metrics\.json:1: invalid JSON"):
         finetune(cfg(out=out, resume=True, steps=6), **QUIET)
 
@@ -444,6 +456,7 @@ def test_resume_with_corrupt_metrics_values_is_refused(run4, tmp_path, patch, me
     metrics = json.load(open(os.path.join(out, "metrics.json")))
     metrics.update(patch)
     json.dump(metrics, open(os.path.join(out, "metrics.json"), "w"))
+    _as_written(out, "metrics.json")
     with pytest.raises(FinetuneError, match=f"cannot resume from .*run: its metrics.json is corrupt \\({message}"):
         finetune(cfg(out=out, resume=True, steps=6), **QUIET)
 
@@ -463,11 +476,14 @@ def test_resume_checks_metrics_numbers_with_the_shared_number_check():
         ok = isinstance(x, (int, float)) and not isinstance(x, bool) and -float("inf") < x < float("inf")
         assert is_finite_number(x) is ok, x
         assert is_positive_number(x) is (ok and x > 0), x
-    ft._check_metrics("run", {"losses": [1.0, 2], "val_losses": [[2, None], [4, 0.5]],
+    ft._check_metrics("run", {"losses": [1.0, 2, 3, 4], "val_losses": [[2, None], [4, 0.5]],
                               "trained_weight_norm_start": 0, "accuracy_before": 1})
     for bad, says in [({"losses": [1.0, True]}, "'losses'"), ({"losses": [float("nan")]}, "'losses'"),
                       ({"val_losses": [[2, float("inf")]]}, "'val_losses'"),
                       ({"val_losses": [[2, False]]}, "'val_losses'"),
+                      ({"losses": [1.0], "val_losses": [[2, 1.0]]}, "'val_losses' names a step the run has not"),
+                      ({"losses": [1.0] * 4, "val_losses": [[2, 1.0], [2, 1.0]]}, "'val_losses' names .* a step twice"),
+                      ({"losses": [1.0] * 4, "val_losses": [[0, 1.0]]}, "'val_losses' names a step"),
                       ({"trained_weight_norm_start": True}, "'trained_weight_norm_start'"),
                       ({"accuracy_before": True}, "'accuracy_before'")]:
         with pytest.raises(FinetuneError, match=f"run: its metrics.json is corrupt \\({says}"):
@@ -482,6 +498,7 @@ def test_resume_accepts_a_held_out_loss_recorded_as_null(run4, tmp_path):
     metrics = json.load(open(os.path.join(out, "metrics.json")))
     metrics["val_losses"] = [[2, None]]
     json.dump(metrics, open(os.path.join(out, "metrics.json"), "w"))
+    _as_written(out, "metrics.json")
     finetune(cfg(out=out, resume=True, steps=6), **QUIET)
     resumed = json.load(open(os.path.join(out, "metrics.json")))
     assert resumed["val_losses"][0] == [2, None] and len(resumed["losses"]) == 6
@@ -508,7 +525,8 @@ def test_resume_refuses_a_damaged_array_file(run4, tmp_path, name, how):
     out = str(tmp_path / "run")
     shutil.copytree(run4, out)
     trainer = json.load(open(os.path.join(out, "state", "trainer.json")))
-    assert set(trainer["sha256"]) == {"model.safetensors", "state/opt_state.npz"}
+    assert {"model.safetensors", "state/opt_state.npz", "run.json", "config.json"} <= set(trainer["sha256"])
+    assert not {"metrics.csv", "loss.png", "state/trainer.json"} & set(trainer["sha256"])
     _damage(os.path.join(out, name), how)
     if how == "truncate":  # its digest removed from the list: refused too
         tj = os.path.join(out, "state", "trainer.json")
@@ -518,6 +536,54 @@ def test_resume_refuses_a_damaged_array_file(run4, tmp_path, name, how):
         json.dump(trainer, open(tj, "w"))
     with pytest.raises(FinetuneError, match=f"cannot resume from .*{name}.* is not the file this run wrote"):
         finetune(cfg(out=out, resume=True, steps=6), **QUIET)
+
+
+def _set_json(path, edit):
+    d = json.load(open(path))
+    edit(d)
+    json.dump(d, open(path, "w"))
+
+
+@pytest.mark.parametrize("edit", ["run-lr", "config-eps", "tokenizer", "metrics-held", "tb-deleted"])
+def test_resume_refuses_an_edited_run_file(run4, tmp_path, edit):
+    # Only the arrays were checked: an edited run.json resumed at lr 0.5 (the options --resume
+    # holds the run to are read from it), an edited config.json or tokenizer.json trained
+    # another model, an added held-out loss at a step not reached showed in the curves, and
+    # deleted TensorBoard events of the run's first part were lost without a word
+    out = str(tmp_path / "run")
+    shutil.copytree(run4, out)
+    if edit == "run-lr":
+        _set_json(os.path.join(out, "run.json"), lambda d: d["config"].update(lr=0.5))
+    elif edit == "config-eps":
+        _set_json(os.path.join(out, "config.json"), lambda d: d.update(rms_norm_eps=1e-2))
+    elif edit == "tokenizer":
+        with open(os.path.join(out, "tokenizer.json"), "a") as f:
+            f.write(" ")
+    elif edit == "metrics-held":
+        _set_json(os.path.join(out, "metrics.json"), lambda d: d.update(val_losses=[[5, 1.0]]))
+    else:
+        shutil.rmtree(os.path.join(out, "tb"))
+    what = {"run-lr": "run.json", "config-eps": "config.json", "tokenizer": "tokenizer.json",
+            "metrics-held": "metrics.json", "tb-deleted": "tb/events"}[edit]
+    with pytest.raises(FinetuneError, match=f"{what}.* (is not the file this run wrote|is missing)"):
+        finetune(cfg(out=out, resume=True, steps=6), **QUIET)
+    if edit == "metrics-held":  # without the digests (an older run), the metrics' own check refuses it
+        tj = os.path.join(out, "state", "trainer.json")
+        _set_json(tj, lambda d: d.update(sha256={k: v for k, v in d["sha256"].items() if "/" in k
+                                                 or k == "model.safetensors"}))
+        with pytest.raises(FinetuneError, match="'val_losses' names a step the run has not reached"):
+            finetune(cfg(out=out, resume=True, steps=6), **QUIET)
+
+
+def test_resume_of_a_run_with_array_digests_only_continues(run4, tmp_path):
+    # a run written before the JSON files had digests: resumed as before, its arrays checked
+    out = str(tmp_path / "run")
+    shutil.copytree(run4, out)
+    _set_json(os.path.join(out, "state", "trainer.json"), lambda d: d.update(
+        sha256={k: v for k, v in d["sha256"].items() if k in ("model.safetensors", "state/opt_state.npz")}))
+    finetune(cfg(out=out, resume=True, steps=5), **QUIET)
+    trainer = json.load(open(os.path.join(out, "state", "trainer.json")))
+    assert trainer["step"] == 5 and "run.json" in trainer["sha256"]
 
 
 def test_resume_without_digests_still_refuses_a_broken_or_mistyped_state(run4, tmp_path):

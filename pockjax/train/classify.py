@@ -379,8 +379,9 @@ def finetune_classifier(config: ClassifierConfig, *, log: Callable[[str], None] 
     """Fine-tunes a pretrained classifier on a shipped task; returns the metrics dict.
 
     Raises:
-      UnknownModelError, UnknownTaskError, InputError, SchemeError: bad input,
-        before anything is loaded or written.
+      UnknownModelError, UnknownTaskError, InputError, SchemeError: bad input
+        (an ``out`` that exists and is not empty among it), before anything is
+        loaded or written.
       NonFiniteError: the loss became NaN or infinite (nothing is written).
     """
     log = log or (lambda s: print(s, flush=True))
@@ -394,6 +395,10 @@ def finetune_classifier(config: ClassifierConfig, *, log: Callable[[str], None] 
 
     if cfg.out:
         remove_stale_temporaries(os.path.dirname(os.path.abspath(cfg.out)))
+        if os.path.exists(cfg.out) and (not os.path.isdir(cfg.out) or os.listdir(cfg.out)):
+            # the run's directory takes the place of --out whole: never over a user's files or another run
+            raise InputError(f"{cfg.out} already exists and is not an empty directory; a classifier run"
+                             f" replaces --out whole, so choose another --out (or remove it yourself)")
     tasks = tasks_for(spec.kind)
     splits = _splits(spec, cfg, task)  # its classes decide the head
     classes = splits.class_names

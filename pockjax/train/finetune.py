@@ -22,7 +22,9 @@ is only ever replaced whole (see :func:`write_output`)::
                                               run and per --resume)
     OUT/run.json                              the FinetuneConfig of the run, effective
                                               lr / seq_len, the data file's SHA-256
-    OUT/state/opt_state.npz, trainer.json     optimizer state, step, rng: for --resume
+    OUT/state/opt_state.npz, trainer.json     optimizer state, step, the SHA-256 of every
+                                              file above but metrics.csv and loss.png
+                                              (redrawn from metrics.json): for --resume
 
 ``OUT`` loads with ``llama.load_pretrained(OUT)`` and ``pockjax generate --model OUT``.
 
@@ -348,7 +350,7 @@ class EventsLog:
 
 
 def write_output(out: str, *, model: Any, tokenizer: Any, scheme: pockjax.UpdateScheme,
-                 metrics: dict, run: dict, opt_state: Any, step: int, rng: Any,
+                 metrics: dict, run: dict, opt_state: Any, step: int,
                  adapters: dict | None = None, events: EventsLog | None = None) -> None:
     """Writes a complete output directory atomically and durably.
 
@@ -390,24 +392,43 @@ def write_output(out: str, *, model: Any, tokenizer: Any, scheme: pockjax.Update
         leaves = jax.tree.leaves(opt_state)
         np.savez(os.path.join(tmp, "state", "opt_state.npz"),
                  **{f"leaf_{i:04d}": np.asarray(x) for i, x in enumerate(leaves)})
-        _json_dump({"step": int(step), "rng": np.asarray(rng).tolist(),
+        _json_dump({"step": int(step),
                     "opt_state_leaves": len(leaves),
                     "opt_state_shapes": [list(np.shape(x)) for x in leaves],
                     "sha256": _resume_digests(tmp)},
                    os.path.join(tmp, "state", "trainer.json"))
 
 
-def _resume_files(directory: str) -> list[str]:
-    """The array files ``--resume`` reads back (relative paths) that ``directory`` holds: the
-    weights, adapters and optimizer state (a file a user put beside them is not one)."""
+#: What ``--resume`` reads back beside the arrays: the options the run is held to, its curves so
+#: far, the scheme and the model's configuration.
+_RESUME_JSON = ("run.json", "metrics.json", "scheme.json", "config.json")
+#: Drawn again from ``metrics.json`` at every save: not checked (a user may open and save them).
+_REDRAWN = ("metrics.csv", "loss.png")
+
+
+def _resume_files(directory: str, with_json: bool = True) -> list[str]:
+    """The files ``--resume`` reads back (relative paths) that ``directory`` holds: the weights,
+    adapters and optimizer state, and (``with_json``) :data:`_RESUME_JSON` (a file a user put
+    beside them is not one)."""
     names = ("model.safetensors", os.path.join("state", ADAPTERS_FILE), os.path.join("state", "opt_state.npz"))
+    names += _RESUME_JSON if with_json else ()
     return [n for n in names if os.path.isfile(os.path.join(directory, n))]
 
 
 def _resume_digests(directory: str) -> dict[str, str]:
-    """``{relative path: sha256}`` of :func:`_resume_files`: ``--resume`` checks them, so that a
-    damaged weight file is refused rather than trained on (its values can be any float)."""
-    return {rel: file_sha256(os.path.join(directory, rel)) for rel in _resume_files(directory)}
+    """``{relative path: sha256}`` of every file the run wrote in ``directory`` (the tokenizer and
+    earlier TensorBoard events too) but ``state/trainer.json`` and :data:`_REDRAWN`: ``--resume``
+    checks them, so that a damaged weight file is refused rather than trained on (its values can
+    be any float), and an edited ``run.json`` or ``config.json`` rather than continued under
+    other options."""
+    skip = {os.path.join("state", "trainer.json"), *_REDRAWN}
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            rel = os.path.relpath(os.path.join(root, name), directory)
+            if rel not in skip:
+                out[rel] = file_sha256(os.path.join(directory, rel))
+    return dict(sorted(out.items()))
 
 
 def _host_float(x: Any) -> np.ndarray:
@@ -527,17 +548,24 @@ def _read_state(out: str) -> tuple[dict, list[np.ndarray]]:
             digests = {}
         if not isinstance(digests, dict):
             raise ValueError(f"{tj}: sha256 is not a mapping of file names to digests")
-        unlisted = sorted(set(_resume_files(out)) - set(digests)) if digests else []
+        # a run written before 2026-11-28 has the digests of its arrays only
+        expected = _resume_files(out, with_json="run.json" in digests) if digests else []
+        unlisted = sorted(set(expected) - set(digests))
         if unlisted:
             raise ValueError(f"{tj}: sha256 lists no digest for {', '.join(unlisted)}, which the run wrote")
         for rel, digest in sorted(digests.items()):
             if ".." in rel.split(os.sep) or os.path.isabs(rel):
                 raise ValueError(f"{tj}: sha256 names a file outside the run: {rel!r}")
             if not os.path.exists(os.path.join(out, rel)):
+                if rel.startswith(TB_DIR + os.sep):  # carried over to the next save: it would be lost
+                    raise ValueError(f"{os.path.join(out, rel)}, the TensorBoard events of an earlier part"
+                                     " of the run, is missing; put it back, or start a new run in another --out")
                 continue  # a missing file: its own reader says which, and what it holds
             if file_sha256(os.path.join(out, rel)) != digest:
                 raise ValueError(f"{os.path.join(out, rel)} is not the file this run wrote (its sha256"
-                                 " differs from the one recorded in state/trainer.json): it is damaged")
+                                 " differs from the one recorded in state/trainer.json): it was damaged or"
+                                 " edited; a run continues only as it was written (start a new run in"
+                                 " another --out for other options)")
         with np.load(npz, allow_pickle=False) as z:  # never unpickle
             leaves = [z[f"leaf_{i:04d}"] for i in range(n)]
     except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, pockjax.PockjaxError) as e:
@@ -772,6 +800,10 @@ def _check_metrics(out: str, metrics: dict) -> None:
                                         and (v[1] is None or is_finite_number(v[1])) for v in held),
          "'val_losses' is not a list of [step, finite loss or null] pairs"),
         (type(metrics.get("step", 0)) is int, "'step' is not a whole number"),
+        (not isinstance(held, list) or not isinstance(losses, list)
+         or all(isinstance(v, list) and v and type(v[0]) is int and 1 <= v[0] <= len(losses) for v in held)
+         and [v[0] for v in held] == sorted({v[0] for v in held}),
+         "'val_losses' names a step the run has not reached, or a step twice"),
         (norm is None or (is_finite_number(norm) and norm >= 0),
          "'trained_weight_norm_start' is not a finite number >= 0"),
         (before is None or (is_finite_number(before) and 0 <= before <= 1),
@@ -986,7 +1018,6 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
             jax.tree.structure(opt_state),
             [jnp.asarray(v, dtype=ref.dtype) for v, ref in zip(leaves, opt_state.leaves)])
         start = int(trainer["step"])
-        rng = np.asarray(trainer["rng"], np.uint32)
         metrics = read_json_object(os.path.join(out, "metrics.json"), what="run metrics")
         _check_metrics(out, metrics)
         if metrics.get("step", start) != start or len(metrics.get("losses", ())) != start:
@@ -996,7 +1027,6 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     else:
         opt_state = pockjax.init_opt_state(tx, params, scheme)
         start = 0
-        rng = np.asarray(jax.random.key_data(jax.random.key(cfg.seed)), np.uint32)
         metrics = {"losses": [], "accuracy_before": None}
     mesh = None
     if cfg.mesh:
@@ -1116,7 +1146,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         metrics["step"] = step
         write_output(out, model=_model_of(model, graphdef, params), tokenizer=tokenizer,
                      scheme=scheme, metrics=metrics, run=run, opt_state=opt_state,
-                     step=step, rng=rng, adapters={p: x for p, x in llama.flatten_params(params).items()
+                     step=step, adapters={p: x for p, x in llama.flatten_params(params).items()
                                                    if isinstance(x, LoraTensor)}, events=events)
         last_saved[0] = step
 
