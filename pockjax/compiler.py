@@ -756,7 +756,8 @@ class CompiledFunction:
         graphdef, state = nnx.split(nodes) if split is None else split
         leaves, state_def = jax.tree_util.tree_flatten(state)
         batch_flat, batch_def = jax.tree_util.tree_flatten(batch)
-        key = ("nnx", pos, graphdef, state_def, _signature(leaves), batch_def, _signature(batch_flat))
+        in_shardings = _shardings(list(leaves) + batch_flat)
+        key = ("nnx", pos, graphdef, state_def, _signature(leaves), batch_def, _signature(batch_flat), in_shardings)
         hit = self._cache.get(key)
         if hit is not None:
             return hit, state_def, graphdef
@@ -840,7 +841,7 @@ class CompiledFunction:
             return flat_out[:n_state], jax.tree_util.tree_unflatten(aux_tree, flat_out[n_state:])
 
         in_tree = jax.tree_util.tree_structure((list(leaves), *batch))
-        lowered = Lowered(traced, graph, in_tree, build, self._finish)
+        lowered = Lowered(traced, graph, in_tree, build, self._finish, in_shardings=in_shardings)
         self._cache[key] = lowered
         return lowered, state_def, graphdef
 

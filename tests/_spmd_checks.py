@@ -297,6 +297,70 @@ def constraint_check(mesh) -> dict:
     return out
 
 
+def placement_checks(mesh) -> dict:
+    """One compiled step called with other placements of the same mesh's shape: each call's new
+    state keeps that call's shardings (the first call's came back for every later one: FSDP
+    state returned replicated; a mesh over other devices was refused by jit), as jax.jit does."""
+    step_fn, tx, params, batches, schemes = mlp_case()
+    step = pockjax.compile(step_fn, scheme=schemes["sparse"])
+    half = Mesh(np.array(jax.devices()[:4]), ("d",))
+    other = Mesh(np.array(jax.devices()[4:]), ("d",))
+    out = {}
+    ref = None
+    for name, (m, fsdp) in {"replicated": (mesh, None), "fsdp": (mesh, "d"), "replicated_again": (mesh, None),
+                            "devices_0_3": (half, "d"), "devices_4_7": (other, "d")}.items():
+        p = shard(jax.tree.map(jnp.copy, params), m, fsdp=fsdp)  # donated: never the originals' buffers
+        o = shard_like(tx.init(params), p)
+        b = shard(batches[0], m, {"**": P("d")})
+        specs = [x.sharding for x in jax.tree.leaves((p, o))]
+        new_p, new_o, _ = step(p, o, *b)
+        got = jax.tree.leaves((new_p, new_o))
+        ref = got if ref is None else ref
+        out[name] = {
+            "kept": all(g.sharding.is_equivalent_to(s, g.ndim) for g, s in zip(got, specs)),
+            "max_abs_diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(r)))) for a, r in zip(got, ref)),
+        }
+    return out
+
+
+def nnx_check(mesh) -> dict:
+    """An NNX model and optimizer with variables on the mesh against nnx.jit (it failed with an empty
+    SignatureChanged: the NNX step was compiled for one device)."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(16, 32, rngs=rngs)
+            self.b = nnx.Linear(32, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jax.nn.relu(self.a(x)))
+
+    def step(model, opt, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        opt.update(model, grads)
+        return loss
+
+    x = jax.device_put(jnp.ones((16, 16)) * 0.1, NamedSharding(mesh, P("d")))
+    y = jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("d")))
+    out = {}
+    for name, scheme in (("full", pockjax.UpdateScheme.full()), ("sparse", pockjax.UpdateScheme({"b.*": "full"}))):
+        results = []
+        for run in ("pockjax", "nnx.jit"):
+            model = Net(nnx.Rngs(0))
+            opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=scheme.nnx_wrt())
+            state = nnx.state((model, opt))
+            nnx.update((model, opt), jax.device_put(state, NamedSharding(mesh, P())))
+            f = pockjax.compile(step, scheme=scheme) if run == "pockjax" else nnx.jit(step)
+            losses = [float(f(model, opt, x, y)) for _ in range(3)]
+            results.append((losses, jax.tree.leaves(nnx.state(model, nnx.Param))))
+        (l1, w1), (l2, w2) = results
+        out[name] = {"loss_diff": max(abs(a - b) for a, b in zip(l1, l2)),
+                     "max_abs_diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(w1, w2)),
+                     "on_mesh": all(len(w.sharding.device_set) == N for w in w1)}
+    return out
+
+
 def main(out_path: str) -> int:
     assert len(jax.devices()) == N, jax.devices()
     mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -341,6 +405,8 @@ def main(out_path: str) -> int:
     results["plan"] = plan_checks()
     results["tensor_parallel"] = tensor_parallel_check()
     results["sharding_constraint"] = constraint_check(mesh)
+    results["placements"] = placement_checks(mesh)
+    results["nnx"] = nnx_check(mesh)
     # an IREE target runs on one device: sharded inputs are refused by name
     step_fn, tx, params, batches, schemes = mlp_case()
     p = shard(params, mesh)

@@ -210,6 +210,21 @@ def test_user_sharding_constraints_survive_the_passes(report):
     assert r["sparse"]["frozen_unchanged"] and r["sparse"]["trained_moved"], r
 
 
+def test_each_call_keeps_its_own_placements(report):
+    # the outputs took the first call's shardings on every later call (FSDP state came back
+    # replicated, replicated state came back sharded), and a mesh over other devices was refused
+    r = report["placements"]
+    assert set(r) == {"replicated", "fsdp", "replicated_again", "devices_0_3", "devices_4_7"}
+    for name, v in r.items():
+        assert v["kept"] and v["max_abs_diff"] <= 1e-5, (name, v)
+
+
+@pytest.mark.parametrize("scheme", ["full", "sparse"])
+def test_an_nnx_step_on_a_mesh_equals_nnx_jit(report, scheme):
+    r = report["nnx"][scheme]
+    assert r["loss_diff"] <= 1e-6 and r["max_abs_diff"] <= 1e-6 and r["on_mesh"], r
+
+
 @pytest.mark.parametrize("case", ["full/data=8", "full/fsdp=8", "paper/data=8", "paper/fsdp=8"])
 def test_per_device_plan_fits_its_reduced_depths(report, case):
     # the fit over depths 2-3 predicts a depth-4 compile (the check point)

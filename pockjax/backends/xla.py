@@ -10,7 +10,7 @@ compiles (or finds) the step for that signature instead.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from typing import Callable, TYPE_CHECKING, Sequence
 
 import jax
 
@@ -64,6 +64,31 @@ def _mesh_key(sharding) -> tuple:
 
 class SignatureChanged(Exception):
     """Raised while jax.jit retraces an XLA step for arguments of another signature."""
+
+
+def _placed_as(call: Callable, shardings: Sequence, flat: bool) -> Callable:
+    """``call`` (a sharded step's ``jax.jit``), refusing inputs placed otherwise than it was
+    compiled for with :class:`SignatureChanged`, so that the caller compiles the step for them.
+
+    A traced type carries only the mesh's axis sizes: without this check ``jax.jit`` reuses the
+    trace for another partition spec or other devices of the same mesh shape, and its fixed
+    ``out_shardings`` gave every later call the first call's placement (FSDP state came back
+    replicated). Arguments on other devices than ``in_shardings`` name are not even safe to
+    pass to that ``jax.jit`` (moved once, a crash the next time), so they never reach it.
+    """
+    expected = [(i, s) for i, s in enumerate(shardings) if s is not None]
+
+    def placed(*args):
+        leaves = args if flat else jax.tree_util.tree_leaves(args)
+        if len(leaves) != len(shardings):
+            raise SignatureChanged()
+        for i, s in expected:
+            got = getattr(leaves[i], "sharding", None)
+            if got is not s and got != s:
+                raise SignatureChanged()
+        return call(*args)
+
+    return placed
 
 
 def _donated_args(in_tree, donate: Sequence[int]) -> tuple[int, ...] | None:
@@ -160,7 +185,8 @@ class XlaExecutable:
         jit_options = {"compiler_options": compiler_options}
         if out_shardings is not None:
             jit_options["out_shardings"] = [out_shardings[o] for o in computed_outputs]
-        self.jitted = jax.jit(fun, donate_argnums=tuple(donate), **jit_options)
+        jitted = jax.jit(fun, donate_argnums=tuple(donate), **jit_options)
+        self.jitted = jitted if in_shardings is None else _placed_as(jitted, shardings, flat=True)
         self.in_tree = in_tree
         #: ``tree_call(*args)``: the step over the argument trees (None: flat calls only).
         self.tree_call = None
@@ -180,10 +206,11 @@ class XlaExecutable:
             tree_options = {"compiler_options": compiler_options}
             if out_shardings is not None:
                 tree_options["out_shardings"] = out_builder(out_shardings)
-            self.tree_call = jax.jit(tree_fun, donate_argnums=donated_args, **tree_options)
-            lowered = self.tree_call.lower(*jax.tree_util.tree_unflatten(in_tree, avals))
+            tree_jit = jax.jit(tree_fun, donate_argnums=donated_args, **tree_options)
+            self.tree_call = tree_jit if in_shardings is None else _placed_as(tree_jit, shardings, flat=False)
+            lowered = tree_jit.lower(*jax.tree_util.tree_unflatten(in_tree, avals))
         else:
-            lowered = self.jitted.lower(*avals)
+            lowered = jitted.lower(*avals)
         try:
             self.compiled = lowered.compile()
         except Exception as e:  # pragma: no cover - XLA failure reporting
