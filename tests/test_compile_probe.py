@@ -1367,3 +1367,60 @@ def test_an_unread_parameter_under_adamw_and_reduce_on_plateau_stays_a_parameter
     got = pockjax.compile(step, scheme=pockjax.UpdateScheme({"w": "full"}))(
         jax.tree.map(jnp.copy, params), tx.init(params), x)[0]
     np.testing.assert_array_equal(np.asarray(got["u"]), np.asarray(params["u"]))
+
+
+def test_layers_handed_back_by_a_scan_through_remat_stay_frozen():
+    # nnx.scan over stacked layers with nnx.remat in its body returns the layers as the scan's
+    # stacked outputs (without remat JAX forwards them): a frozen stack was refused as "set from
+    # other values than its gradient"; it is the stack handed back, and matches nnx.jit
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=3)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return nnx.Linear(4, 4, rngs=rngs)
+            self.layers = make(rngs)
+            self.out = nnx.Linear(4, 2, rngs=rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def run(h, block):
+                return nnx.remat(lambda h, b: h + jnp.tanh(b(h)))(h, block)
+            return self.out(run(x, self.layers))
+
+    def step(model, opt, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        opt.update(model, grads)
+        return loss
+
+    x, y = jnp.linspace(-1, 1, 20).reshape(5, 4), jnp.ones((5, 2))
+    scheme = pockjax.UpdateScheme({"out.*": "full"})
+    runs = []
+    for f in (pockjax.compile(step, scheme=scheme), nnx.jit(step)):
+        model = Model(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=scheme.nnx_wrt())
+        start = np.asarray(model.layers.kernel[...])
+        runs.append(([float(f(model, opt, x, y)) for _ in range(3)], np.asarray(model.out.kernel[...])))
+        np.testing.assert_array_equal(np.asarray(model.layers.kernel[...]), start)
+    np.testing.assert_allclose(runs[0][0], runs[1][0], rtol=1e-6)
+    np.testing.assert_allclose(runs[0][1], runs[1][1], atol=1e-6)
+
+
+def test_a_scan_that_scales_the_stacked_layers_it_hands_back_is_refused():
+    # the scan's stacked output is the stack scaled slice by slice, not the stack: not an update
+    tx = optax.adam(0.1)
+    params = {"w": jnp.full((3, 4), 0.5), "head": jnp.ones((4,))}
+    x = jnp.linspace(-1, 1, 8).reshape(2, 4)
+
+    def step(p, s, x):
+        def body(h, w):
+            return jnp.tanh(h * w), w * 0.9
+        loss, g = jax.value_and_grad(lambda q: jnp.mean(jax.lax.scan(body, x, q["w"])[0] @ q["head"]))(p)
+        u, s = tx.update(g, s, p)
+        new = optax.apply_updates(p, u)
+        return {**new, "w": jax.lax.scan(body, x, p["w"])[1]}, s, loss
+
+    with pytest.raises(pockjax.SchemeError, match="sets 'w', which the loss reads"):
+        pockjax.compile(step, scheme=pockjax.UpdateScheme({"head": "full"}))(params, tx.init(params), x)

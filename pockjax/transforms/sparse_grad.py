@@ -280,8 +280,9 @@ def _refuse_overwritten_parameters(graph: TrainGraph, idx, resolved) -> None:
 def _update_applied(v, leaves: set, jaxpr, optimizer: set) -> bool:
     """Whether ``v`` is the leaf itself or an update applied to it: what an optimizer does to a
     parameter (``p + u``, ``p - lr * u``, ``p * (1 - lr * wd) + u``, ``p + f(p)`` for decay, a
-    clip of such a value), through lossless casts, selects, and the branches of a ``cond`` or
-    the body of a call.
+    clip of such a value), through lossless casts, selects, the branches of a ``cond``, the
+    body of a call, and a ``scan`` that hands the leaf back (``nnx.scan`` over stacked layers
+    returns them as its stacked outputs, slice by slice).
 
     ``leaves``: the variables of ``jaxpr`` that hold the leaf; ``optimizer``: those that hold
     optimizer state. The update ``u`` must be zero (set_to_zero's ``p + 0``) or read the
@@ -364,6 +365,17 @@ def _update_applied(v, leaves: set, jaxpr, optimizer: set) -> bool:
         if name in ("clamp", "max", "min"):
             from_leaf = [b for b in e.invars if var(b) and b in reads]
             return bool(from_leaf) and all(applied(b) for b in from_leaf)
+        if name == "scan":  # the leaf handed back by a scan over it (nnx.scan over stacked layers)
+            nc, ncar = e.params["num_consts"], e.params["num_carry"]
+            body = _interp.open_jaxpr(e.params["jaxpr"])
+            k = e.outvars.index(a)
+            if k < ncar:  # a carry the loop passes on unchanged
+                return body.outvars[k] is body.invars[nc + k] and applied(e.invars[nc + k])
+            # a stacked output made, slice by slice, as an update of the leaf's slices (xs)
+            inner = {b for b, x in zip(body.invars[nc + ncar:], e.invars[nc + ncar:])
+                     if var(x) and (x in leaves or (x in reads and applied(x)))}
+            state = {b for b, x in zip(body.invars, e.invars) if var(x) and (x in updating or zero(x))}
+            return bool(inner) and _update_applied(body.outvars[k], inner, body, state)
         bodies = (e.params["branches"], 1) if name == "cond" else (
             ([e.params[_interp.CALL_BODY[e.primitive]]], 0) if e.primitive in _interp.CALL_BODY else None)
         if bodies is None:
@@ -391,7 +403,8 @@ def _dependencies(jaxpr, in_deps: list, scalar_params: frozenset = frozenset(), 
     scales or guards every update (``reduce_on_plateau``, ``apply_if_finite``) neither
     makes a frozen parameter's ``p + scale * 0`` read the batch, nor gives a statistic
     its gradient. A ``scan``, ``while`` or ``cond`` is followed position by position
-    (loop carries to a fixed point, a branch's outputs with its index's); another
+    (loop carries to a fixed point, a branch's outputs with its index's), and so is a
+    call (``remat``, a custom derivative's function: :func:`_positional_body`); another
     primitive with a body gives each output all its inputs and the gradients taken
     inside it. ``adjust(var, deps)`` may change a top-level variable's.
     """
@@ -414,6 +427,8 @@ def _dependencies(jaxpr, in_deps: list, scalar_params: frozenset = frozenset(), 
             index = scalar(ins[0])
             outs = [index.union(*col) for col in zip(*(
                 _dependencies(_interp.open_jaxpr(b), ins[1:], scalar_params) for b in e.params["branches"]))]
+        elif e.primitive in _interp.CALL_BODY and _positional_body(e) is not None:
+            outs = _dependencies(_positional_body(e), ins, scalar_params)
         elif _interp.sub_jaxprs(e, strict=False):
             outs = [every | {("grad", k) for sub in _interp.sub_jaxprs(e, strict=False)
                              for k in gradient_tag_indices(_interp.open_jaxpr(sub))}] * len(e.outvars)
@@ -424,6 +439,16 @@ def _dependencies(jaxpr, in_deps: list, scalar_params: frozenset = frozenset(), 
             if adjust is not None:
                 deps[o] = adjust(o, deps[o])
     return [empty if isinstance(v, C.Literal) else deps.get(v, empty) for v in jaxpr.outvars]
+
+
+def _positional_body(eqn):
+    """The body of a call (``remat``, ``jit``, a custom derivative's primal function) whose inputs
+    and outputs are the equation's, position by position; None for another form."""
+    body = eqn.params.get(_interp.CALL_BODY[eqn.primitive])
+    inner = _interp.open_jaxpr(body) if body is not None else None
+    if inner is None or len(inner.invars) != len(eqn.invars) or len(inner.outvars) != len(eqn.outvars):
+        return None
+    return inner
 
 
 def _scan_dependencies(eqn, ins: list, scalar_params: frozenset) -> list:
