@@ -52,7 +52,7 @@ def test_batches_take_their_bucket_and_long_examples_are_named(tok):
         assert t in b.buckets and t >= longest and all(n < longest for n in b.buckets if n < t)
     long = examples[:3] + [Example("x " * 100, "y")] + examples[3:]
     with pytest.raises(SequenceLengthError, match=r"^1 example\(s\) are longer than --max-seq-len 200; the longest, "
-                                                  r"training example 3 \('x x x.*has 2\d\d tokens.*"
+                                                  r"the training example 'x x x.*has 2\d\d tokens.*"
                                                   r"raise --max-seq-len to at least 2\d\d"):
         Batcher(tok, long, batch_size=2, bucket_limit=200)
     with pytest.raises(SequenceLengthError, match="model's context of 256"):
@@ -116,3 +116,14 @@ def test_bad_bucket_options_are_refused(tok, capsys):
     assert "give one of them" in capsys.readouterr().err
     assert cli_main(["finetune", "--model", "mobilenetv2", "--max-seq-len", "64"]) == 2
     assert "--grad-accum and --max-seq-len are for the LLaMA models" in capsys.readouterr().err
+
+
+def test_truncation_that_leaves_no_answer_is_refused(tok):
+    # a row whose prompt fills seq_len kept 0 answer tokens: its example vanished from the loss
+    from pockjax.data import Example, SequenceLengthError
+
+    long = Example("word " * 40, "yes")
+    with pytest.raises(SequenceLengthError, match="1 example\\(s\\) have prompts of 32 tokens or more"):
+        Batcher(tok, [long, Example("hi", "yo")], batch_size=2, seq_len=32, truncate=True)
+    b = Batcher(tok, [Example("word " * 4, "a long answer " * 8)], batch_size=1, seq_len=48, truncate=True)
+    assert b.batch(0)["loss_mask"].sum() > 0  # an answer cut short still trains what is left

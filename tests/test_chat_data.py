@@ -44,7 +44,17 @@ def test_only_the_last_reply_is_trained(tmp_path):
 
 @pytest.mark.parametrize("record, message", [
     ({"messages": [{"role": "user", "content": "Hi"}]}, "at least a user and an assistant"),
-    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "?"}]}, "ends with user, user"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "?"}]},
+     "messages\\[1\\] is a user message where an assistant message is due"),
+    # accepted once: turns that do not alternate (a chat template renders them as it can, or fails),
+    # an empty turn of the context, a chat that starts with the assistant
+    ({"messages": [{"role": "assistant", "content": "Hi"}, {"role": "user", "content": "?"},
+                   {"role": "assistant", "content": "!"}]}, "messages\\[0\\] is an assistant message where a user"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                   {"role": "assistant", "content": "c"}]}, "messages\\[2\\] is an assistant message"),
+    ({"messages": [{"role": "user", "content": " "}, {"role": "assistant", "content": "b"},
+                   {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]},
+     "messages\\[0\\] \\(user\\) is empty"),
     ({"messages": [{"role": "bot", "content": "x"}, {"role": "assistant", "content": "y"}]}, "role 'bot'"),
     ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]}, "string 'content'"),
     ({"messages": CHAT["messages"][1:3], "id": 7}, "only 'messages'"),
@@ -63,3 +73,36 @@ def test_bad_chat_records_name_the_line(tmp_path, record, message):
     p = _write(tmp_path / "d.jsonl", [CHAT, record])
     with pytest.raises(DataError, match=f"d.jsonl:2: .*{message}"):
         load_alpaca_jsonl(p)
+
+
+@pytest.mark.parametrize("where", ["answer", "prompt", "context", "system"])
+def test_a_control_token_written_in_the_text_is_refused(where):
+    # '<|im_end|>' in a user message or an answer was encoded as the control token and trained
+    # on (the model learned to end its turn mid-answer); an answer holding it could never match
+    from pockjax.data import Example
+
+    tok = llama.Tokenizer.byte_level_for_tests()
+    text = "It ends a turn: <|im_end|> closes it."
+    ex = {"answer": Example("What is it?", text), "prompt": Example(text, "ok"),
+          "context": Example("And?", "ok", context=(("user", "Hi"), ("assistant", text))),
+          "system": Example("What is it?", "ok")}[where]
+    system = text if where == "system" else None
+    field = {"answer": "answer", "prompt": "prompt", "context": "assistant turn", "system": "system message"}[where]
+    with pytest.raises(DataError, match=f"example 0 .*its {field} holds '<\\|im_end\\|>', which the tokenizer reads"
+                                        " as its control token \\(id 258\\)"):
+        Batcher(tok, [Example("Hi", "yo"), ex][1:], batch_size=1, seed=0, system=system)
+    Batcher(tok, [Example("What is <im_end>?", "a tag, <|im_end without its bar")], batch_size=1, seed=0)
+
+
+def test_a_held_out_record_is_never_trained_on(tmp_path):
+    # a record given twice was held out and trained on: held-out accuracy measured memory
+    from pockjax.train.finetune import FinetuneConfig, _examples
+
+    records = [{"instruction": f"Q{i}", "output": f"A{i}"} for i in range(6)] * 2
+    cfg = FinetuneConfig(data=str(_write(tmp_path / "d.jsonl", records)), eval_examples=3)
+    train, held, _ = _examples(cfg)
+    assert len(held) == 3 and not {e.prompt for e in held} & {e.prompt for e in train}
+    assert len(train) == 6  # the 3 other prompts, twice each
+    cfg = FinetuneConfig(data=str(_write(tmp_path / "e.jsonl", [records[0]] * 4)), eval_examples=1)
+    with pytest.raises(DataError, match="every record's prompt is among the 1 held out"):
+        _examples(cfg)

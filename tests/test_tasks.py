@@ -105,11 +105,14 @@ def test_load_alpaca_jsonl(tmp_path):
     path.write_text(
         json.dumps({"instruction": "Reverse the words.", "input": "a b c", "output": "c b a"})
         + "\n\n" + json.dumps({"instruction": "Say hi.", "output": "hi"}) + "\n"
-        + json.dumps({"instruction": "Say yo.", "input": None, "output": " yo "}) + "\n",
+        + json.dumps({"instruction": "Say yo.", "input": None, "output": " yo "}) + "\n"
+        + json.dumps({"instruction": "Write f.", "input": "def f(x):\n", "output": "    return x\n"}) + "\n",
         encoding="utf-8")
     exs = load_alpaca_jsonl(path)
+    # text as written: an answer's leading indentation was stripped away (and trained so)
     assert exs == [Example("Reverse the words.\n\na b c", "c b a", "jsonl"),
-                   Example("Say hi.", "hi", "jsonl"), Example("Say yo.", "yo", "jsonl")]
+                   Example("Say hi.", "hi", "jsonl"), Example("Say yo.", " yo ", "jsonl"),
+                   Example("Write f.\n\ndef f(x):\n", "    return x\n", "jsonl")]
     out = tmp_path / "out.jsonl"
     save_alpaca_jsonl(out, exs)
     assert load_alpaca_jsonl(out) == exs
@@ -172,9 +175,11 @@ def test_sequence_length_errors(byte_tok):
     exs = [Example("short", "a"), Example("a much longer prompt " * 4, "b")]
     with pytest.raises(SequenceLengthError, match="exceeds the model's context of 64"):
         Batcher(byte_tok, exs, batch_size=2, seq_len=128, max_seq_len=64)
-    with pytest.raises(SequenceLengthError, match="example 1, needs"):
+    with pytest.raises(SequenceLengthError, match="example 1 \\('a much longer prompt.*'\\), needs"):
         Batcher(byte_tok, exs, batch_size=2, seq_len=64)
-    cut = Batcher(byte_tok, exs, batch_size=2, seq_len=64, truncate=True)
+    with pytest.raises(SequenceLengthError, match="nothing of their answers would be left"):
+        Batcher(byte_tok, exs, batch_size=2, seq_len=64, truncate=True)
+    cut = Batcher(byte_tok, [exs[0], Example("short", "a long answer " * 8)], batch_size=2, seq_len=64, truncate=True)
     assert cut.batch(0)["tokens"].shape == (2, 64)
     with pytest.raises(SequenceLengthError, match="longest example needs"):
         Batcher(byte_tok, exs, batch_size=2, max_seq_len=64)

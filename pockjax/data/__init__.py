@@ -13,6 +13,7 @@ from pockjax.data.batching import (
     collate,
     encode_example,
     end_of_turn_id,
+    refuse_control_text,
 )
 from pockjax.data.jsonl import DataError, alpaca_prompt, load_alpaca_jsonl, save_alpaca_jsonl
 from pockjax.data.tasks import (
@@ -38,6 +39,7 @@ __all__ = [
     "alpaca_prompt",
     "collate",
     "encode_example",
+    "refuse_control_text",
     "end_of_turn_id",
     "evaluate",
     "evaluate_model",

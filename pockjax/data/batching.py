@@ -33,7 +33,7 @@ import numpy as np
 from pockjax.data.tasks import Example
 
 __all__ = ["BUCKETS", "Batcher", "SequenceLengthError", "choose_buckets", "collate", "encode_example",
-           "end_of_turn_id"]
+           "end_of_turn_id", "refuse_control_text"]
 
 #: At most this many row lengths with ``Batcher(bucket_limit=...)``: the
 #: train step compiles once per length.
@@ -61,6 +61,61 @@ def end_of_turn_id(tokenizer: Any) -> int:
     if tid is None:
         raise ValueError("the tokenizer has neither <|im_end|> nor an EOS token")
     return int(tid)
+
+
+def _control_finder(tokenizer: Any):
+    """``find(text) -> (control token, id) | None``: the first control token written in ``text``
+    (by position), found by set lookups of each length at each candidate first character."""
+    control = tokenizer.control_tokens() if hasattr(tokenizer, "control_tokens") else {}
+    firsts = {t[0] for t in control}
+    lengths = sorted({len(t) for t in control})
+
+    def find(text: str):
+        if not control or not firsts.intersection(text):
+            return None
+        for pos, ch in enumerate(text):
+            if ch in firsts:
+                for n in lengths:
+                    piece = text[pos:pos + n]
+                    if piece in control:
+                        return piece, control[piece]
+        return None
+
+    return find
+
+
+def refuse_control_text(tokenizer: Any, examples: Sequence[Example], system: str | None = None,
+                        what: str = "example") -> None:
+    """Refuses examples whose text holds a control token of ``tokenizer`` written out
+    (``<|im_end|>`` in a user message or an answer).
+
+    The tokenizer reads it as the control token, not as the characters, as a chat
+    template's output is read: trained on, it would teach the model to end its turn
+    (or open one) in mid-answer, and a reference answer holding it could never be
+    matched. Raises :class:`~pockjax.errors.DataError` naming the example and the token.
+
+    Example:
+      >>> from pockjax.models.llama import Tokenizer
+      >>> refuse_control_text(Tokenizer.byte_level_for_tests(), [Example("What ends a turn?", "<|im_end|>")])
+      Traceback (most recent call last):
+      ...
+      pockjax.errors.DataError: example 0 ('What ends a turn?'): its answer holds '<|im_end|>', ...
+    """
+    from pockjax.errors import DataError
+
+    find = _control_finder(tokenizer)
+    for i, ex in enumerate(examples):
+        fields = [("system message", system or ""), *((f"{r} turn", c) for r, c in ex.context),
+                  ("prompt", ex.prompt), ("answer", ex.answer)]
+        for field, text in fields:
+            hit = find(text)
+            if hit is not None:
+                raise DataError(
+                    f"{what} {i} ({ex.prompt[:40]!r}{'...' if len(ex.prompt) > 40 else ''}): its {field} holds"
+                    f" {hit[0]!r}, which the tokenizer reads as its control token (id {hit[1]}), not as text:"
+                    f" trained on, it would teach the model that token there (an end of turn in mid-answer),"
+                    f" and a reference holding it can never be matched. Rewrite it in the data (for example"
+                    f" {hit[0][0] + ' ' + hit[0][1:]!r}) or leave the record out")
 
 
 def encode_example(tokenizer: Any, example: Example, system: str | None = None
@@ -179,6 +234,7 @@ class Batcher:
         self.batch_size = batch_size
         self.seed = seed
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+        refuse_control_text(tokenizer, self.examples, system)
         self.rows = [encode_example(tokenizer, ex, system) for ex in self.examples]
         self.longest = max(len(ids) for ids, _ in self.rows)
         self.buckets = None
@@ -195,7 +251,7 @@ class Batcher:
                 prompt = self.examples[i].prompt
                 raise SequenceLengthError(
                     f"{len(too_long)} example(s) are longer than --max-seq-len {bucket_limit}; the"
-                    f" longest, training example {i} ({prompt[:40]!r}{'...' if len(prompt) > 40 else ''}),"
+                    f" longest, the training example {prompt[:40]!r}{'...' if len(prompt) > 40 else ''},"
                     f" has {n} tokens (prompt {self.rows[i][1]}): raise --max-seq-len to at least {n},"
                     f" or leave the long examples out of the data")
             self.buckets = choose_buckets([max(len(self.rows[i][0]) for i in self.indices(s))
@@ -216,9 +272,17 @@ class Batcher:
             i, n = max(too_long, key=lambda x: x[1])
             raise SequenceLengthError(
                 f"{len(too_long)} example(s) exceed seq_len={seq_len}; the longest, example"
-                f" {i}, needs {n} tokens (prompt {self.rows[i][1]}): raise seq_len"
+                f" {i} ({self.examples[i].prompt[:40]!r}), needs {n} tokens (prompt {self.rows[i][1]}): raise seq_len"
                 f" to at least {n} or pass truncate=True")
         if truncate:
+            cut = [i for i, (ids, n_prompt) in enumerate(self.rows) if n_prompt >= seq_len]
+            if cut:  # a row with no answer left counts nowhere: its example would vanish from the loss
+                prompt = self.examples[cut[0]].prompt
+                raise SequenceLengthError(
+                    f"{len(cut)} example(s) have prompts of {seq_len} tokens or more: truncated to"
+                    f" seq_len={seq_len}, nothing of their answers would be left (the first:"
+                    f" {prompt[:40]!r}{'...' if len(prompt) > 40 else ''}, prompt {self.rows[cut[0]][1]}"
+                    f" tokens); raise seq_len or leave them out")
             self.rows = [(ids[:seq_len], min(n_prompt, seq_len)) for ids, n_prompt in self.rows]
         self.seq_len = seq_len
         self.buckets = self.buckets or (seq_len,)

@@ -12,9 +12,12 @@ prompt), or a conversation in the chat format of OpenAI, mlx-lm and TRL::
                   {"role": "assistant", "content": "sat cat the"}]}
 
 which ends with an assistant message after a user message: that last reply is
-the answer trained on (and held out), the earlier turns are its context. The
-formats may mix in one file. A bad line stops loading with an error that names
-the file and line number.
+the answer trained on (and held out), the earlier turns are its context (not
+trained on). After an optional first system message, the turns alternate user,
+assistant, user, ..., none empty. The formats may mix in one file. Text is taken
+as written (an answer's leading indentation, a trailing newline): nothing is
+stripped. A bad line stops loading with an error that names the file and line
+number.
 """
 
 from __future__ import annotations
@@ -48,7 +51,6 @@ def alpaca_prompt(instruction: str, input: str = "") -> str:
       >>> alpaca_prompt("Say hi.")
       'Say hi.'
     """
-    instruction, input = instruction.strip(), (input or "").strip()
     return f"{instruction}\n\n{input}" if input else instruction
 
 
@@ -122,8 +124,7 @@ def load_alpaca_jsonl(path: str | os.PathLike) -> list[Example]:
         if not record["output"].strip():
             raise DataError(f"{where}: empty 'output': the answer trained on would be only the end of the turn;"
                             f" fill it in or leave the record out")
-        examples.append(Example(alpaca_prompt(record["instruction"], inp),
-                                record["output"].strip(), "jsonl"))
+        examples.append(Example(alpaca_prompt(record["instruction"], inp), record["output"], "jsonl"))
     if not examples:
         raise DataError(f"{path} holds no records")
     return examples
@@ -147,6 +148,10 @@ def _dropped_text_keys(record: dict) -> list[str]:
 _ROLES = ("system", "user", "assistant")
 
 
+def _a(role: str) -> str:
+    return f"an {role}" if role == "assistant" else f"a {role}"
+
+
 def _chat_example(record: dict, where: str) -> Example:
     """One ``{"messages": [...]}`` record as an :class:`Example` (its last reply is the answer)."""
     extra = sorted(set(record) - {"messages"})
@@ -165,6 +170,15 @@ def _chat_example(record: dict, where: str) -> Example:
             raise DataError(f"{where}: messages[{i}] holds an unpaired UTF-16 surrogate escape, which is not text")
         if m["role"] == "system" and i:
             raise DataError(f"{where}: messages[{i}]: a system message may only come first")
+        if m["role"] != "system":  # user, assistant, user, ...: what every chat template renders
+            want = "user" if sum(r != "system" for r, _ in turns) % 2 == 0 else "assistant"
+            if m["role"] != want:
+                raise DataError(f"{where}: messages[{i}] is {_a(m['role'])} message where {_a(want)} message is"
+                                f" due: after an optional system message the turns alternate user, assistant,"
+                                f" user, ... (merge two turns of one role into one)")
+            if not m["content"].strip() and i < len(msgs) - 2:
+                raise DataError(f"{where}: messages[{i}] ({m['role']}) is empty: an empty turn of the context"
+                                f" renders as a bare turn marker; fill it in or leave the record out")
         turns.append((m["role"], m["content"]))
     if turns[-1][0] != "assistant" or turns[-2][0] != "user":
         raise DataError(f"{where}: a chat record ends with a user message and the assistant's reply"
@@ -174,7 +188,7 @@ def _chat_example(record: dict, where: str) -> Example:
     if not turns[-1][1].strip():
         raise DataError(f"{where}: the last assistant message (the answer trained on) is empty: it would train"
                         f" only the end of the turn; fill it in or leave the record out")
-    return Example(turns[-2][1].strip(), turns[-1][1].strip(), "jsonl", tuple(turns[:-2]))
+    return Example(turns[-2][1], turns[-1][1], "jsonl", tuple(turns[:-2]))
 
 
 def save_alpaca_jsonl(path: str | os.PathLike, examples, instruction: str | None = None) -> None:

@@ -57,7 +57,7 @@ import numpy as np
 import optax
 
 import pockjax
-from pockjax.data import Batcher, DataError, evaluate_model, load_alpaca_jsonl, train_eval_split
+from pockjax.data import Batcher, DataError, evaluate_model, load_alpaca_jsonl, refuse_control_text, train_eval_split
 from pockjax.data.batching import SequenceLengthError
 from pockjax.io.atomic import atomic_directory, file_above, pid_alive, remove_stale_temporaries, write_json
 from pockjax.io.jsonfile import read_json_object
@@ -587,7 +587,12 @@ def _examples(cfg: FinetuneConfig):
                             f" (lower --eval-examples)")
         order = np.random.default_rng(cfg.seed).permutation(len(records))
         held = [records[i] for i in order[:n_eval]]
-        train = [records[i] for i in order[n_eval:]]
+        # no held-out prompt is trained on (a record given twice would be both): as train_eval_split
+        asked = {(ex.prompt, ex.context) for ex in held}
+        train = [records[i] for i in order[n_eval:] if (records[i].prompt, records[i].context) not in asked]
+        if not train:
+            raise DataError(f"{cfg.data}: every record's prompt is among the {n_eval} held out; nothing is left"
+                            f" to train on (lower --eval-examples, or add records)")
         return train, held, os.path.basename(cfg.data)
     train, held = train_eval_split(cfg.task, cfg.train_examples, cfg.eval_examples, seed=cfg.seed)
     return train, held, cfg.task
@@ -950,6 +955,7 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         raise FinetuneError("finetune trains an unrolled model (scan_layers=False): pockjax"
                             " prunes the backward pass per block there")
     train, held, data_name = _examples(cfg)
+    refuse_control_text(tokenizer, held, what="held-out example")  # the training ones: the Batcher
     # one optimizer update's rows: grad_accum micro-batches of batch_size
     try:
         batcher = Batcher(tokenizer, train, batch_size=cfg.batch_size * cfg.grad_accum, seq_len=cfg.seq_len,

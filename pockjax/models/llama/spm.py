@@ -86,6 +86,16 @@ class SentencePieceBPE:
         """Number of token ids."""
         return len(self.tokens)
 
+    def control_tokens(self) -> dict[str, int]:
+        """``{text: id}`` of the control pieces (``<start_of_turn>``), which :meth:`encode` parses
+        out of the text.
+
+        Example:
+          >>> SentencePieceBPE.for_tests().control_tokens()["<eos>"]
+          1
+        """
+        return {self.tokens[i]: i for i, ty in enumerate(self.types) if ty == _CONTROL and self.tokens[i]}
+
     def token_to_id(self, token: str) -> int | None:
         """Id of a piece, or ``None``.
 

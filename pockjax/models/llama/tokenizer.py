@@ -149,6 +149,22 @@ class Tokenizer:
         """
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    def control_tokens(self) -> dict[str, int]:
+        """``{text: id}`` of the control tokens (``<|im_end|>``, ``<start_of_turn>``): written in a
+        text, :meth:`encode` reads them as the control token, not as the characters.
+
+        Example:
+          >>> Tokenizer.byte_level_for_tests().control_tokens()["<|im_end|>"]
+          258
+        """
+        cached = getattr(self, "_control", None)
+        if cached is None:
+            b = self.backend
+            cached = (b.control_tokens() if hasattr(b, "control_tokens")
+                      else {t.content: i for i, t in b.get_added_tokens_decoder().items() if t.special and t.content})
+            self._control = cached
+        return cached
+
     def token_to_id(self, token: str) -> int | None:
         """Id of a token string (e.g. ``"<|im_end|>"``), or ``None``.
 
