@@ -95,3 +95,44 @@ def test_linear_rope_scaling_matches_transformers_and_round_trips(tmp_path):
     np.testing.assert_allclose(np.asarray(back(jnp.array(IDS))), ref, atol=1e-4)
     with pytest.raises(ValueError, match="all positive"):
         ours.config.replace(rope_scaling=("linear", 0.0))
+
+
+_HF_BASE = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "intermediate_size": 32}
+
+
+def test_config_keys_are_read_as_transformers_reads_them():
+    from pockjax.models.llama.hf import hf_config
+
+    # no rms_norm_eps: transformers' 1e-6 (pockjax took 1e-5: logits off by 0.38 on small embeddings)
+    assert hf_config(_HF_BASE).rms_eps == 1e-6 and hf_config({**_HF_BASE, "model_type": "qwen2"}).rms_eps == 1e-6
+    # an older rope_scaling beside rope_parameters: transformers lets it win, pockjax read the other
+    with pytest.raises(llama.CheckpointError, match="rope_parameters .* and rope_scaling .* disagree"):
+        hf_config({**_HF_BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+                   "rope_scaling": {"rope_type": "linear", "factor": 4.0}})
+    same = hf_config({**_HF_BASE, "rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4},
+                      "rope_scaling": {"type": "linear", "factor": 4.0}})
+    assert same.rope_scaling == ("linear", 4.0)
+    # Gemma 3's nested rope_parameters without their bases: the top-level ones (they were 1e6 and 1e4)
+    gemma = {**_HF_BASE, "model_type": "gemma3_text", "head_dim": 8, "rope_theta": 500.0, "rope_local_base_freq": 50.0,
+             "rope_parameters": {"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}}
+    cfg = hf_config(gemma)
+    assert (cfg.rope_theta, cfg.rope_local_theta) == (500.0, 50.0)
+
+
+def test_a_tied_config_with_another_lm_head_is_refused(tmp_path):
+    # the file's lm_head was dropped without a word and the embedding tied (transformers 5 keeps it)
+    from flax import nnx
+
+    from pockjax.io.safetensors import read_safetensors, write_safetensors
+
+    cfg = llama.LlamaConfig.tiny(vocab=64).replace(tie_embeddings=True)
+    llama.save_hf_checkpoint(llama.Llama(cfg, rngs=nnx.Rngs(0)), str(tmp_path))
+    weights = dict(read_safetensors(tmp_path / "model.safetensors"))
+    embed = np.asarray(weights["model.embed_tokens.weight"])
+    write_safetensors(str(tmp_path / "model.safetensors"), {**weights, "lm_head.weight": embed})
+    llama.read_hf_checkpoint(str(tmp_path))  # the same values: tied as the config says
+    write_safetensors(str(tmp_path / "model.safetensors"), {**weights, "lm_head.weight": embed * 2})
+    with pytest.raises(llama.CheckpointError, match="'lm_head.weight' differs from model.embed_tokens.weight, but"
+                                                    " the config says tie_word_embeddings: true"):
+        llama.read_hf_checkpoint(str(tmp_path))

@@ -67,6 +67,12 @@ def hf_config(config_json: dict[str, Any], source: str = "config.json",
     scaling = c.get("rope_scaling") or {}
     if not isinstance(rope, dict) or not isinstance(scaling, dict):
         raise CheckpointError(f"{source}: rope_parameters and rope_scaling must be objects")
+    if rope and scaling:  # transformers lets the older rope_scaling win; pockjax read rope_parameters
+        kinds = [d.get("rope_type", d.get("type", "default")) for d in (rope, scaling)]
+        differ = sorted(k for k in set(rope) & set(scaling) - {"rope_type", "type"} if rope[k] != scaling[k])
+        if kinds[0] != kinds[1] or differ:
+            raise CheckpointError(f"{source}: rope_parameters ({rope}) and rope_scaling ({scaling}) disagree;"
+                                  f" keep the one the model was trained with")
     rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     if rope_type not in ("default", None, "llama3", "linear"):
         raise UnsupportedModelError(f"{source}: RoPE scaling {rope_type!r} is not supported (supported:"
@@ -103,7 +109,7 @@ def hf_config(config_json: dict[str, Any], source: str = "config.json",
         n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
         hidden_dim=c["intermediate_size"],
         rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
-        rms_eps=c.get("rms_norm_eps", 1e-5),
+        rms_eps=c.get("rms_norm_eps", 1e-6),  # transformers' default for LLaMA and Qwen2
         tie_embeddings=tie,
         max_seq_len=c.get("max_position_embeddings", 4096),
         head_dim=head_dim,
@@ -134,13 +140,16 @@ def _gemma3_config(c: dict[str, Any], source: str, **overrides: Any) -> LlamaCon
     rope = c.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise CheckpointError(f"{source}: rope_parameters must be an object")
-    full = rope.get("full_attention") or {"rope_theta": c.get("rope_theta", 1000000.0),
-                                          **(c.get("rope_scaling") or {})}
-    local = rope.get("sliding_attention") or {"rope_theta": c.get("rope_local_base_freq", 10000.0)}
-    rope_scaling = None
-    for kind, params in (("full_attention", full), ("sliding_attention", local)):
+    # the bases: a nested entry's own, else the top-level keys (as transformers reads them)
+    given = {"full_attention": rope["full_attention"] if "full_attention" in rope else (c.get("rope_scaling") or {}),
+             "sliding_attention": rope.get("sliding_attention") or {}}
+    for kind, params in given.items():
         if not isinstance(params, dict):
             raise CheckpointError(f"{source}: rope_parameters[{kind!r}] must be an object")
+    full = {"rope_theta": c.get("rope_theta", 1000000.0), **given["full_attention"]}
+    local = {"rope_theta": c.get("rope_local_base_freq", 10000.0), **given["sliding_attention"]}
+    rope_scaling = None
+    for kind, params in (("full_attention", full), ("sliding_attention", local)):
         rope_type = params.get("rope_type", params.get("type", "default"))
         if kind == "full_attention" and rope_type == "linear":  # Gemma 3 4B-27B: factor 8
             rope_scaling = _linear_scaling(params, source)
@@ -268,6 +277,13 @@ def read_hf_checkpoint(path: str | os.PathLike, **config_overrides: Any
             target, transpose = "norm.scale", False
         elif name == "lm_head.weight":
             if cfg.tie_embeddings:
+                embed = tensors.get("model.embed_tokens.weight")
+                if embed is not None and (embed.shape != arr.shape or not np.array_equal(embed, arr)):
+                    # transformers 4 ties them (lm_head dropped), transformers 5 keeps lm_head: which
+                    # one the model was trained with, the file cannot say
+                    raise CheckpointError(f"{where} differs from model.embed_tokens.weight, but the config"
+                                          f" says tie_word_embeddings: true; set it to false to use"
+                                          f" lm_head.weight, or remove lm_head.weight to tie them")
                 continue
             target, transpose = "lm_head.kernel", True
         elif name.startswith("model.layers."):
