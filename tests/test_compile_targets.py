@@ -214,3 +214,54 @@ def test_a_python_number_that_would_change_value_is_refused():
         _python_scalar_as(count, 1.7)
     with pytest.raises(InputError, match="Python complex"):
         _python_scalar_as(TensorSpec(name="lr", shape=(), dtype="float32", role="input"), 1j)
+
+
+def test_apply_if_finite_adam_runs_on_iree_like_jax_jit():
+    # its skipped update returns the state and the count unchanged from a cond: IREE compiled the
+    # step, and every call failed at run time ("ref is null; ... hal.buffer_view.create"), finite
+    # inputs too; the cond-as-select workaround computes both branches and selects
+    tx = optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=3)
+    params = {"w": jnp.linspace(-1, 1, 24).reshape(6, 4), "b": jnp.zeros(4)}
+
+    def make(frozen_b):
+        def step(p, s, x, y):
+            def loss(q):
+                b = jax.lax.stop_gradient(q["b"]) if frozen_b else q["b"]
+                return jnp.mean((x @ q["w"] + b - y) ** 2)
+            value, g = jax.value_and_grad(loss)(p)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s, value
+        return step
+
+    x, y = jnp.ones((5, 6)), jnp.zeros((5, 4))
+    iree = pockjax.compile(make(False), scheme=pockjax.UpdateScheme({"w": "full"}), target="cpu")
+    ref = jax.jit(make(True))
+    p, s, q, t = params, tx.init(params), jax.tree.map(jnp.copy, params), tx.init(params)
+    for batch in (x, x.at[0, 0].set(jnp.nan), x):  # the second step is skipped
+        p, s, _ = iree(p, s, batch, y)
+        q, t, _ = ref(q, t, batch, y)
+        q = {**q, "b": params["b"]}
+        for a, b in zip(jax.tree.leaves((p, s)), jax.tree.leaves((q, t))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert int(np.asarray(s.total_notfinite)) == 1
+
+
+def test_state_read_back_from_an_iree_step_is_read_only():
+    # its host copy was writable and cached: an edit showed in later reads, but the next step
+    # read the device buffer as it was (0.2 where jax.jit from the edited values gives -0.4)
+    tx = optax.sgd(0.1)
+    params = {"w": jnp.ones((2, 3))}
+
+    def step(p, s, x):
+        loss, g = jax.value_and_grad(lambda q: jnp.sum(x @ q["w"]))(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    new, _, _ = pockjax.compile(step, target="cpu")(params, tx.init(params), jnp.ones((4, 2)))
+    host = np.asarray(new["w"])
+    assert not host.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        host[:] = 0.0
+    mine = np.array(new["w"])  # a copy to edit
+    mine[:] = 0.0
+    assert mine.flags.writeable and float(np.asarray(new["w"])[0, 0]) == pytest.approx(0.6)

@@ -190,3 +190,21 @@ def test_vulkan_centring_over_three_axes():
 
     exe = piree.compile_flat(centre, [jax.ShapeDtypeStruct(x.shape, x.dtype)], "vulkan")
     np.testing.assert_allclose(np.asarray(exe(x)[0]), np.asarray(centre(x)[0]), rtol=1e-5, atol=1e-5)
+
+
+# The same failure, beyond the first rewrite: a max or min over several axes, axes that are not
+# neighbours, and a centring inside a scan's body came back wrong (errors up to 1e37, a whole step's
+# losses NaN); the rewrite takes each over one merged axis, in loop and branch bodies too.
+@pytest.mark.parametrize("case", ["max", "min-not-neighbours", "sum-not-neighbours", "in-scan", "in-cond"])
+def test_vulkan_reductions_over_several_axes(case):
+    from pockjax.backends import iree as piree
+
+    S.require_vulkan()
+    x = (np.random.default_rng(0).normal(size=(4, 4, 4, 24)) * 3 + 1).astype(np.float32)
+    f = {"max": lambda x: x - x.max((0, 1, 2)),
+         "min-not-neighbours": lambda x: x - x.min((0, 2), keepdims=True),
+         "sum-not-neighbours": lambda x: x - x.sum((0, 2), keepdims=True),
+         "in-scan": lambda x: jax.lax.scan(lambda h, _: (jnp.tanh(h - h.mean((0, 1, 2))), None), x, None, length=2)[0],
+         "in-cond": lambda x: jax.lax.cond(x[0, 0, 0, 0] > -10, lambda h: h - h.mean((0, 1, 2)), lambda h: h, x)}[case]
+    exe = piree.compile_flat(lambda x: (f(x),), [jax.ShapeDtypeStruct(x.shape, x.dtype)], "vulkan")
+    np.testing.assert_allclose(np.asarray(exe(x)[0]), np.asarray(f(x)), rtol=1e-5, atol=1e-4)

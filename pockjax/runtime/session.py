@@ -335,12 +335,19 @@ class DeviceBuffer:
         _LIVE_BUFFERS.add(self)
 
     def to_host(self) -> np.ndarray:
+        """The value on the host, read-only (as a ``jax.Array``'s): it is the device buffer's copy,
+        fetched once, and an edit of it would change what later reads see but not what the next
+        step reads. Edit a copy (``np.array(buf)``) and pass that instead."""
         if self._host is None:
-            self._host = self.session.get(self.value, self.dtype)
+            host = self.session.get(self.value, self.dtype)
+            host.flags.writeable = False
+            self._host = host
         return self._host
 
     def __array__(self, dtype=None, copy=None):
         a = self.to_host()
+        if copy:
+            return np.array(a, dtype=dtype)
         return a if dtype is None else a.astype(dtype)
 
     @property

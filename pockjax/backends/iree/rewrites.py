@@ -35,7 +35,8 @@ from jax import lax
 
 from pockjax._src import jaxpr as J
 
-__all__ = ["rewrite_jaxpr_fun", "scatter_add_to_select", "scatter_add_as_select"]
+__all__ = ["cond_as_select", "merge_reduced_axes", "rewrite_jaxpr_fun", "scatter_add_to_select",
+           "scatter_add_as_select"]
 
 # Call-like primitives whose body is inlined (and rewritten) by the interpreter
 # (Primitive -> body param): jit, closed_call, custom_jvp_call and remat/checkpoint.
@@ -113,8 +114,47 @@ def scatter_add_as_select(operand, indices, updates, dimension_numbers, mode) ->
     return operand + jnp.where(hit, upd, jnp.zeros((), operand.dtype)).astype(operand.dtype)
 
 
+def _uses(jaxpr, rules) -> bool:
+    """Whether ``jaxpr`` (or a body in it, at any depth) holds a primitive ``rules`` rewrites."""
+    return any(e.primitive in rules or any(_uses(J.open_jaxpr(sub), rules) for sub in J.sub_jaxprs(e, strict=False))
+               for e in jaxpr.eqns)
+
+
+def _loop_or_branch(eqn, invals, rules):
+    """A ``scan``, ``while`` or ``cond`` rebuilt with ``rules`` applied in its bodies (None: another
+    primitive, or bodies with nothing to rewrite: bound as it is)."""
+    name = eqn.primitive.name
+    if name not in ("scan", "while", "cond") or not any(
+            _uses(J.open_jaxpr(sub), rules) for sub in J.sub_jaxprs(eqn, strict=False)):
+        return None
+    p = eqn.params
+
+    def run(closed, args):
+        return _eval(closed.jaxpr, closed.consts, list(args), rules)
+
+    if name == "scan":
+        nc, ncar = p["num_consts"], p["num_carry"]
+        consts, init, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
+
+        def body(carry, x):
+            outs = run(p["jaxpr"], [*consts, *carry, *x])
+            return outs[:ncar], outs[ncar:]
+
+        carry, ys = lax.scan(body, list(init), list(xs), length=p["length"], reverse=p["reverse"],
+                             unroll=p["unroll"])
+        return [*carry, *ys]
+    if name == "while":
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
+        return list(lax.while_loop(lambda c: run(p["cond_jaxpr"], [*cconsts, *c])[0],
+                                   lambda c: run(p["body_jaxpr"], [*bconsts, *c]), list(init)))
+    branches = [lambda *ops, b=b: run(b, ops) for b in p["branches"]]
+    return list(lax.switch(invals[0], branches, *invals[1:]))
+
+
 def _eval(jaxpr, consts, args, rules):
-    """Evaluate ``jaxpr`` with ``rules`` (Primitive -> rule), inlining the calls of :data:`_CALL_PARAMS`."""
+    """Evaluate ``jaxpr`` with ``rules`` (Primitive -> rule), inlining the calls of :data:`_CALL_PARAMS`
+    and applying them in the bodies of loops and branches too."""
 
     def rule(eqn, invals):
         outs = None
@@ -123,6 +163,8 @@ def _eval(jaxpr, consts, args, rules):
             outs = fn(*invals, **eqn.params)
             if outs is not None and not eqn.primitive.multiple_results:
                 outs = [outs]
+        if outs is None and not eqn.effects:
+            outs = _loop_or_branch(eqn, invals, rules)
         param = _CALL_PARAMS.get(eqn.primitive)
         if outs is None and param is not None and param in eqn.params:
             inner = eqn.params[param]
@@ -146,9 +188,9 @@ def rewrite_jaxpr_fun(fun: Callable, flat_avals: Sequence[Any], rules: dict[Any,
     ``rules`` maps Primitive objects (or primitive names, looked up once) to
     ``rule(*invals, **params)`` returning the output (or None to keep the
     original equation). Calls (``jit``, ``closed_call``, ``custom_jvp_call``,
-    remat/checkpoint) are inlined so rules reach
-    into them; other higher-order primitives (``scan``, ``while``, ``cond``)
-    are kept as they are.
+    remat/checkpoint) are inlined so rules reach into them; a ``scan``,
+    ``while`` or ``cond`` whose bodies hold a rewritten primitive is rebuilt
+    with its bodies rewritten (others are kept as they are).
     """
     rules = _primitive_keys(rules)
     avals = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in flat_avals]
@@ -172,21 +214,60 @@ def scatter_add_to_select(fun: Callable, flat_avals: Sequence[Any]) -> Callable:
 
 
 
-def _reduce_sum_merged(x, *, axes, **params):
-    axes = tuple(sorted(axes))
-    if len(axes) < 2 or axes != tuple(range(axes[0], axes[-1] + 1)):
-        return None  # one axis, or axes that are not neighbours: as it is
-    first, last = axes[0], axes[-1]
-    merged = x.shape[:first] + (math.prod(x.shape[first:last + 1]),) + x.shape[last + 1:]
-    return lax.reduce_sum_p.bind(lax.reshape(x, merged), axes=(first,), **params)
+def cond_as_select(fun: Callable, flat_avals: Sequence[Any]) -> Callable:
+    """``fun`` with each ``cond`` (free of effects) computing every branch and selecting the
+    taken one's values, in loop and branch bodies too.
+
+    The same values (a ``select_n`` by the branch index); every branch runs,
+    so what the untaken one computes (an update of non-finite gradients) is
+    computed and dropped.
+
+    Example:
+        >>> import numpy as np
+        >>> f = cond_as_select(lambda x: jax.lax.cond(x[0] > 0, lambda: x * 2, lambda: x), [np.ones(2)])
+        >>> f(np.array([1.0, 2.0])).tolist(), f(np.array([-1.0, 2.0])).tolist()
+        ([2.0, 4.0], [-1.0, 2.0])
+        >>> "cond" in str(jax.make_jaxpr(f)(np.ones(2)))
+        False
+    """
+    rules: dict = {}
+
+    def rule(index, *ops, branches, **_):
+        if any(b.effects for b in branches):
+            return None  # a branch with an effect runs only when taken: as it is
+        outs = [_eval(b.jaxpr, b.consts, list(ops), rules) for b in branches]
+        return [lax.select_n(index, *vals) for vals in zip(*outs)]
+
+    rules[J.P.cond_p] = rule
+    return rewrite_jaxpr_fun(fun, flat_avals, rules)
+
+
+def _merged(primitive):
+    """The rule reducing over one merged axis for a reduction ``primitive`` (sum, max, min)."""
+
+    def rule(x, *, axes, **params):
+        axes = tuple(sorted(axes))
+        if len(axes) < 2:
+            return None  # one axis: as it is
+        if axes != tuple(range(axes[0], axes[-1] + 1)):  # not neighbours: the reduced axes moved last
+            kept = [a for a in range(x.ndim) if a not in axes]
+            x = lax.transpose(x, (*kept, *axes))
+            axes = tuple(range(len(kept), x.ndim))
+        first, last = axes[0], axes[-1]
+        merged = x.shape[:first] + (math.prod(x.shape[first:last + 1]),) + x.shape[last + 1:]
+        return primitive.bind(lax.reshape(x, merged), axes=(first,), **params)
+
+    return rule
 
 
 def merge_reduced_axes(fun: Callable, flat_avals: Sequence[Any]) -> Callable:
-    """``fun`` with each sum over neighbouring axes taken over one merged axis.
+    """``fun`` with each sum, max or min over several axes taken over one merged axis, in
+    loop and branch bodies too.
 
     ``x.sum((0, 1, 2))`` of an NHWC tensor (BatchNorm's mean and its backward)
     becomes ``x.reshape(N * H * W, C).sum(0)``: the same values, summed in
-    the same order of the elements.
+    the same order of the elements. Axes that are not neighbours (``(0, 2)``)
+    are moved last by a transpose first.
 
     Example:
         >>> import numpy as np
@@ -197,7 +278,8 @@ def merge_reduced_axes(fun: Callable, flat_avals: Sequence[Any]) -> Callable:
         >>> "reshape" in str(jax.make_jaxpr(f)(x))
         True
     """
-    return rewrite_jaxpr_fun(fun, flat_avals, {J.P.reduce_sum_p: _reduce_sum_merged})
+    return rewrite_jaxpr_fun(fun, flat_avals, {p: _merged(p) for p in (J.P.reduce_sum_p, J.P.reduce_max_p,
+                                                                        J.P.reduce_min_p)})
 
 
 # Primitives that only move data: an operand computed from a step input through

@@ -101,7 +101,7 @@ _register(
 _register(
     Workaround(
         name="vulkan-merge-reduced-axes",
-        symptom="(no compiler error: wrong values from a sum over several axes)",
+        symptom="(no compiler error: wrong values from a sum, max or min over several axes)",
         applies_to=("vulkan-spirv",),
         fun_rewrite=_rewrites.merge_reduced_axes,
         why=(
@@ -110,9 +110,12 @@ _register(
             "lavapipe, without any error: values off by up to 1e32 for a (4, 4, 4, 24) input, "
             "and a MobileNetV2 step's gradients wrong below the head. The mean alone is right, "
             "and so is the same computation with the three axes merged into one by a reshape. "
-            "The rewrite sums every run of neighbouring axes over one merged axis "
-            "(pockjax.backends.iree.rewrites.merge_reduced_axes); tests/test_vision_export.py "
-            "checks the case and the whole step against XLA."
+            "The same holds for a max or min over several axes (x - x.max((0, 1, 2)): errors up "
+            "to 1e37), for axes that are not neighbours, and inside a scan's body (a step's losses "
+            "NaN). The rewrite takes every sum, max and min over several axes over one merged axis "
+            "(a transpose first moves axes that are not neighbours last), in loop and branch "
+            "bodies too (pockjax.backends.iree.rewrites.merge_reduced_axes); "
+            "tests/test_vision_export.py checks each case and the whole step against XLA."
         ),
     )
 )
@@ -130,6 +133,25 @@ _register(
             "to a batching dim, which IREE's StableHLO conversion rejects on every backend. Each "
             "logit gets at most one update, so the scatter is rewritten as operand + "
             "where(iota == index, update, 0). See pockjax.backends.iree.rewrites."
+        ),
+    )
+)
+
+
+_register(
+    Workaround(
+        name="cond-as-select",
+        symptom="ref is null; while invoking native function hal.buffer_view.create",
+        applies_to=("llvm-cpu", "vmvx", "vulkan-spirv", "cuda"),
+        fun_rewrite=_rewrites.cond_as_select,
+        why=(
+            "A lax.cond one of whose branches returns an operand unchanged beside an integer "
+            "operand (optax.apply_if_finite(adam): the skipped update keeps the state and the "
+            "count) compiles, but every call fails in IREE 3.13's runtime with 'ref is null; while "
+            "invoking native function hal.buffer_view.create', with finite inputs too; an "
+            "optimization barrier on the branch outputs does not help. Computing every branch and "
+            "selecting the taken one's values (pockjax.backends.iree.rewrites.cond_as_select) gives "
+            "the same values and runs; the untaken branch's work is computed and dropped."
         ),
     )
 )
