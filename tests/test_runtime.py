@@ -243,6 +243,24 @@ def test_replaced_module_fails_checksum(exported_mlp, tmp_path):
         runtime.load(d)
 
 
+@pytest.mark.parametrize("edit", ["outputs-swapped", "input-shape"])
+def test_metadata_that_does_not_describe_the_module_is_refused(exported_mlp, tmp_path, edit):
+    # module.json's checksum covers the .vmfb only: outputs swapped in it filed each returned buffer
+    # as another state leaf, without a word; the module's own declaration is the reference now
+    d = _copy(exported_mlp, tmp_path)
+    meta = json.loads((d / "module.json").read_text())
+    if edit == "outputs-swapped":
+        shapes = [tuple(o["shape"]) for o in meta["outputs"]]
+        k = next(k for k in range(1, len(shapes)) if shapes[k] != shapes[0])
+        meta["outputs"][0], meta["outputs"][k] = meta["outputs"][k], meta["outputs"][0]
+    else:
+        meta["inputs"][-1]["shape"][0] += 1
+    (d / "module.json").write_text(json.dumps(meta))
+    with pytest.raises(runtime.ModuleError, match="the module's function has .* there: the metadata does not"
+                                                  " describe this module"):
+        runtime.load(d)
+
+
 def test_module_for_another_target_is_refused(tmp_path):
     fs = S.mlp_step()
     dsp = piree.export_module(S.compiled("mlp", "dsp"), tmp_path / "dsp")

@@ -42,6 +42,56 @@ from .session import _LIVE_MODULES, CommandLineSession, DeviceSession
 from .weights import load_weights, save_weights
 
 
+_ELEMENT_TYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64", "i1": "bool",
+                  "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64", "ui8": "uint8", "ui16": "uint16",
+                  "ui32": "uint32", "ui64": "uint64", "si8": "int8", "si16": "int16", "si32": "int32",
+                  "si64": "int64"}
+
+
+def _declared(declaration: str) -> tuple[list, list] | None:
+    """``(inputs, outputs)`` as ``(shape, dtype)`` pairs from IREE's ``iree.abi.declaration``
+    (``sync func @main(%input0: tensor<6x8xf32>, ...) -> (%output0: tensor<i32>, ...)``); None
+    for a form this reader does not know."""
+    import re
+
+    head, arrow, tail = declaration.partition(") -> (")
+    if not arrow:
+        return None
+    sides = []
+    for text in (head, tail):
+        types = re.findall(r"%\w+: ([^,()]+)", text)
+        pairs = []
+        for t in types:
+            m = re.fullmatch(r"tensor<((?:\d+x)*)(\w+)>", t.strip())
+            if m is None or m.group(2) not in _ELEMENT_TYPES:
+                return None
+            pairs.append((tuple(int(d) for d in m.group(1).split("x") if d), _ELEMENT_TYPES[m.group(2)]))
+        sides.append(pairs)
+    return sides[0], sides[1]
+
+
+def _check_signature(session, meta: ModuleMetadata, in_module: bool) -> None:
+    """Refuses a ``module.json`` that does not describe the module's own function (an input's
+    shape edited, outputs reordered): the runtime would file a returned buffer as the wrong
+    state leaf. The module's declaration is compared where IREE gives one (in-process)."""
+    function = getattr(session, "function", None)
+    reflection = getattr(function, "reflection", None) or {}
+    declared = _declared(reflection.get("iree.abi.declaration", ""))
+    if declared is None:
+        return
+    ins = [meta.inputs[i] for i in (meta.batch_inputs if in_module else range(len(meta.inputs)))]
+    outs = [meta.outputs[i] for i in (meta.aux_outputs if in_module else range(len(meta.outputs)))]
+    for kind, specs, types in (("input", ins, declared[0]), ("output", outs, declared[1])):
+        if len(specs) != len(types):
+            raise ModuleError(f"module.json lists {len(specs)} {kind}s, the module's function has {len(types)}:"
+                              f" the metadata does not describe this module (re-export it)")
+        for k, (spec, (shape, dtype)) in enumerate(zip(specs, types)):
+            if tuple(spec.shape) != shape or str(spec.dtype) != dtype:
+                raise ModuleError(f"module.json says {kind} {k} ({spec.name!r}) is {tuple(spec.shape)}"
+                                  f" {spec.dtype}, the module's function has {shape} {dtype} there: the"
+                                  f" metadata does not describe this module (re-export it)")
+
+
 class StatefulModule:
     """A compiled step whose state inputs stay on the device between calls.
 
@@ -70,6 +120,7 @@ class StatefulModule:
         self._in_module = metadata.state_storage == "parameters"
         if self._in_module and not isinstance(session, DeviceSession):
             raise ModuleError("modules that keep state in parameter-backed globals run in-process only")
+        _check_signature(session, metadata, self._in_module)
         _LIVE_MODULES.add(self)
 
     def _release(self) -> None:
