@@ -124,6 +124,7 @@ class CompiledStep(_RewrittenGraph):
     out_builder: Callable
     passthrough: tuple  # per graph output: input index it forwards, or None
     _summary: PruneSummary | None = None
+    donated: tuple = ()  # graph inputs whose buffers the step may reuse
 
     def _xla(self):
         if not isinstance(self.executable, XlaExecutable):
@@ -462,6 +463,23 @@ def _aliased_donation_message(name: str, args: Sequence) -> str:
             " and slow parameters), or compile with pockjax.compile(..., donate=False).")
 
 
+def _refuse_shared_donation(compiled: "CompiledStep", flat: Sequence, name: str, args: Sequence) -> None:
+    """Refuses one array passed as a donated leaf and another leaf, before the first call.
+
+    XLA refuses it when both reach the program; a frozen leaf the step only hands back never
+    does, and came back as the donated (deleted) array, without a word.
+    """
+    if not compiled.donated or len(flat) != len(compiled.graph.in_roles):
+        return
+    where: dict[int, list[int]] = {}
+    for i, x in enumerate(flat):
+        if isinstance(x, jax.Array):
+            where.setdefault(id(x), []).append(i)
+    donated = set(compiled.donated)
+    if any(len(pos) > 1 and donated.intersection(pos) for pos in where.values()):
+        raise StepSignatureError(_aliased_donation_message(name, args))
+
+
 def _deleted_arrays_message(name: str, args: Sequence, donate: bool) -> str | None:
     """Which arguments are deleted arrays (donated to an earlier call), or None."""
     gone = [path for path, leaf in _arg_leaves(args)
@@ -560,7 +578,8 @@ class CompiledFunction:
                 if message is not None:
                     raise StepSignatureError(message) from None
             if not isinstance(e, jax.errors.JaxRuntimeError) or (
-                    "donate the same buffer twice" not in str(e) and "donate a buffer which is also used" not in str(e)):
+                    "donate the same buffer twice" not in str(e) and "donate a buffer which is also used" not in str(e)
+                    and "previously donated in the same call" not in str(e)):
                 raise
             raise StepSignatureError(_aliased_donation_message(step_name(self.step), args)) from None
 
@@ -589,6 +608,7 @@ class CompiledFunction:
             except (SignatureChanged, TypeError):
                 pass
         compiled = self._functional_compiled(args)
+        _refuse_shared_donation(compiled, flat, step_name(self.step), args)
         if isinstance(compiled.executable, XlaExecutable):
             self._hot[tree] = compiled
             self._fast = compiled.tree_call
@@ -733,6 +753,7 @@ class CompiledFunction:
             in_tree=lowered.in_tree,
             out_builder=lowered.out_builder,
             passthrough=passthrough,
+            donated=tuple(sorted(set(donate) | set(alias))),
         )
 
     # -- Flax NNX steps -------------------------------------------------------------
@@ -868,6 +889,7 @@ class CompiledFunction:
                 pass
         if result is None:
             compiled = self._nnx_lowered(*args, split=(graphdef, state))[0].compile()
+            _refuse_shared_donation(compiled, list(leaves) + jax.tree.leaves(batch), step_name(self.step), args)
             if isinstance(compiled.executable, XlaExecutable):
                 self._hot[hot_key] = compiled
             result = self._run(compiled, leaves, batch)

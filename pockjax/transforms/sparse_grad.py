@@ -852,9 +852,12 @@ def _write(env: dict, v, form, x) -> None:
         env[v] = (form, x)
 
 
-def _evaluate(eqns, modes, env: dict, req: _Requests, nested, kept: dict | None = None) -> None:
+def _evaluate(eqns, modes, env: dict, req: _Requests, nested, kept: dict | None = None,
+              selected: dict | None = None) -> None:
     """Run ``eqns`` on tracers in ``env``, each computing its planned form; a variable in
-    ``kept`` (a frozen parameter's new value) takes its input's value (``kept[var]``)."""
+    ``kept`` (a frozen parameter's new value) takes its input's value (``kept[var]``), and one in
+    ``selected`` (a channel-ruled parameter's new value, ``(input, selection)``), computed whole,
+    its input's values outside the trained channels."""
     for eqn, mode in zip(eqns, modes):
         if mode[0] != "dead":
             _EVALUATE[mode[0]](eqn, mode, env, req, nested)
@@ -862,6 +865,10 @@ def _evaluate(eqns, modes, env: dict, req: _Requests, nested, kept: dict | None 
                 if v in kept and v in env:
                     form = env[v][0]
                     env[v] = (form, _read(env, kept[v], form))
+            for v in eqn.outvars if selected else ():
+                if v in selected and v in env and env[v][0] is None:  # a reader needs it whole
+                    old, sel = selected[v]
+                    env[v] = (None, slicing.put(sel, _read(env, old, None), _materialize(_read(env, v, sel))))
 
 
 def _eval_zero(eqn, mode, env, req, nested) -> None:
@@ -1210,11 +1217,18 @@ def _seed_demands(graph: TrainGraph, out_plan: list[tuple], dropped_inputs: set)
 
 def _retrace(graph: TrainGraph, out_plan, in_form: dict, dropped_inputs: set, modes, req: _Requests,
              nested, kept_values: dict) -> C.ClosedJaxpr:
-    """Re-trace the step, each value computed in its demanded form, outputs as planned."""
+    """Re-trace the step, each value computed in its demanded form, outputs as planned.
+
+    Every reader of a frozen parameter's new value reads the kept parameter (``kept_values``),
+    and every reader of a channel-ruled one's the value the step returns: the untrained channels
+    kept (an EMA teacher of the weights follows the weights as they come back)."""
     jaxpr = graph.jaxpr
     invars, outvars = jaxpr.invars, jaxpr.outvars
     kept_inputs = [i for i in range(len(invars)) if i not in dropped_inputs]
     kept = {v: invars[i] for v, i in kept_values.items()}
+    whole = {v for v, plan in zip(outvars, out_plan) if plan[0] == "whole"}
+    selected = {v: (invars[plan[1]], plan[2]) for v, plan in zip(outvars, out_plan)
+                if plan[0] == "select" and not isinstance(v, C.Literal) and v not in invars and v not in whole}
 
     def run(*args):
         env: dict = {}
@@ -1222,7 +1236,7 @@ def _retrace(graph: TrainGraph, out_plan, in_form: dict, dropped_inputs: set, mo
             env[invars[i]] = (in_form[invars[i]], x)
         for v, c in zip(jaxpr.constvars, graph.closed_jaxpr.consts):
             env[v] = (None, c)
-        _evaluate(jaxpr.eqns, modes, env, req, nested, kept)
+        _evaluate(jaxpr.eqns, modes, env, req, nested, kept, selected)
         return [_output_value(env, invars, v, plan) for v, plan in zip(outvars, out_plan)
                 if not (plan[0] == "keep" and plan[1] in dropped_inputs)]
 
