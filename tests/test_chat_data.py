@@ -106,3 +106,16 @@ def test_a_held_out_record_is_never_trained_on(tmp_path):
     cfg = FinetuneConfig(data=str(_write(tmp_path / "e.jsonl", [records[0]] * 4)), eval_examples=1)
     with pytest.raises(DataError, match="every record's prompt is among the 1 held out"):
         _examples(cfg)
+
+
+def test_chat_examples_round_trip_through_save(tmp_path):
+    # save_alpaca_jsonl dropped a chat example's earlier turns; an input of spaces alone is no input
+    from pockjax.data import save_alpaca_jsonl
+
+    exs = load_alpaca_jsonl(_write(tmp_path / "d.jsonl", [CHAT, {"instruction": "Say hi.", "input": " ",
+                                                                   "output": "  hi\n"}]))
+    assert exs[1].prompt == "Say hi." and exs[1].answer == "  hi\n"
+    save_alpaca_jsonl(tmp_path / "out.jsonl", exs)
+    assert load_alpaca_jsonl(tmp_path / "out.jsonl") == exs
+    with pytest.raises(DataError, match="instruction= applies to single-turn examples"):
+        save_alpaca_jsonl(tmp_path / "x.jsonl", exs, instruction="Answer.")

@@ -1427,19 +1427,25 @@ def test_layers_handed_back_by_a_scan_through_remat_stay_frozen():
     np.testing.assert_allclose(runs[0][1], runs[1][1], atol=1e-6)
 
 
-def test_a_scan_that_scales_the_stacked_layers_it_hands_back_is_refused():
-    # the scan's stacked output is the stack scaled slice by slice, not the stack: not an update
+@pytest.mark.parametrize("how", ["scaled", "counter"])
+def test_a_scan_that_changes_the_stacked_layers_it_hands_back_is_refused(how):
+    # the scan's stacked output is the stack scaled slice by slice, or shifted by a counter the
+    # loop carries from zero (w[i] + i: the carry starts at zero but is not zero inside the loop)
     tx = optax.adam(0.1)
     params = {"w": jnp.full((3, 4), 0.5), "head": jnp.ones((4,))}
     x = jnp.linspace(-1, 1, 8).reshape(2, 4)
 
+    def hand_back(w):
+        if how == "scaled":
+            return jax.lax.scan(lambda h, w: (h, w * 0.9), x, w)[1]
+        return jax.lax.scan(lambda c, w: (c + 1.0, w + c), jnp.zeros(4), w)[1]
+
     def step(p, s, x):
-        def body(h, w):
-            return jnp.tanh(h * w), w * 0.9
-        loss, g = jax.value_and_grad(lambda q: jnp.mean(jax.lax.scan(body, x, q["w"])[0] @ q["head"]))(p)
+        loss, g = jax.value_and_grad(lambda q: jnp.mean(jax.lax.scan(lambda h, w: (jnp.tanh(h * w), None), x,
+                                                                     q["w"])[0] @ q["head"]))(p)
         u, s = tx.update(g, s, p)
         new = optax.apply_updates(p, u)
-        return {**new, "w": jax.lax.scan(body, x, p["w"])[1]}, s, loss
+        return {**new, "w": hand_back(p["w"])}, s, loss
 
     with pytest.raises(pockjax.SchemeError, match="sets 'w', which the loss reads"):
         pockjax.compile(step, scheme=pockjax.UpdateScheme({"head": "full"}))(params, tx.init(params), x)

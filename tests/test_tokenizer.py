@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import pytest
@@ -133,3 +134,15 @@ def test_ids_match_transformers_live(tok, reference):
         ids = hf.apply_chat_template(chat["messages"], add_generation_prompt=True,
                                      tokenize=True, return_dict=False)
         assert tok.apply_chat_template(chat["messages"]) == list(ids)
+
+
+def test_only_control_tokens_that_structure_a_chat_are_refused_in_data(tok):
+    # SmolLM2's metadata tokens (<filename>, <reponame>) may stand in code or markup: they pass;
+    # its turn markers and end of text may not (read as control tokens, trained mid-answer)
+    from pockjax.data import DataError, Example, refuse_control_text
+
+    assert {"<filename>", "<reponame>", "<|im_end|>"} <= set(tok.control_tokens())
+    refuse_control_text(tok, [Example("Name the tag.", "<filename>notes.txt</filename> and <reponame>")])
+    for marker in ("<|im_end|>", "<|im_start|>", "<|endoftext|>"):
+        with pytest.raises(DataError, match=f"its answer holds '{re.escape(marker)}'"):
+            refuse_control_text(tok, [Example("Q?", f"a {marker} b")])

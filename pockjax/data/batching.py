@@ -63,10 +63,35 @@ def end_of_turn_id(tokenizer: Any) -> int:
     return int(tid)
 
 
+#: Document and turn markers of the common model families, structural wherever they are control tokens.
+_MARKERS = ("<|endoftext|>", "<|end_of_text|>", "<|begin_of_text|>", "<|eot_id|>", "<|end|>", "<s>", "</s>",
+            "<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>", "<|im_start|>", "<|im_end|>")
+
+
+def _structure_ids(tokenizer: Any) -> set[int]:
+    """The ids that give a text or a chat its structure: those the chat template puts around the
+    turns, BOS, EOS, padding, the end of a turn and the common document markers
+    (``<|endoftext|>``); not metadata tokens such as SmolLM2's ``<filename>``."""
+    ids = {i for i in (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, end_of_turn_id(tokenizer),
+                       *(tokenizer.token_to_id(m) for m in _MARKERS)) if i is not None}
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+    for messages in (chat, chat[1:]):  # a template may refuse a system message
+        try:
+            ids.update(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        except Exception:  # noqa: BLE001 - the template's own refusal; the other form serves
+            continue
+    return ids
+
+
 def _control_finder(tokenizer: Any):
-    """``find(text) -> (control token, id) | None``: the first control token written in ``text``
-    (by position), found by set lookups of each length at each candidate first character."""
+    """``find(text) -> (control token, id) | None``: the first control token that structures a
+    chat (:func:`_structure_ids`) written in ``text`` (by position), found by set lookups of
+    each length at each candidate first character."""
     control = tokenizer.control_tokens() if hasattr(tokenizer, "control_tokens") else {}
+    if control:
+        structure = _structure_ids(tokenizer)
+        control = {t: i for t, i in control.items() if i in structure}
     firsts = {t[0] for t in control}
     lengths = sorted({len(t) for t in control})
 
@@ -86,13 +111,15 @@ def _control_finder(tokenizer: Any):
 
 def refuse_control_text(tokenizer: Any, examples: Sequence[Example], system: str | None = None,
                         what: str = "example") -> None:
-    """Refuses examples whose text holds a control token of ``tokenizer`` written out
-    (``<|im_end|>`` in a user message or an answer).
+    """Refuses examples whose text holds a control token that structures a chat written out
+    (``<|im_end|>`` in a user message or an answer; the template's turn markers, BOS, EOS).
 
     The tokenizer reads it as the control token, not as the characters, as a chat
     template's output is read: trained on, it would teach the model to end its turn
     (or open one) in mid-answer, and a reference answer holding it could never be
     matched. Raises :class:`~pockjax.errors.DataError` naming the example and the token.
+    Other control tokens (SmolLM2's ``<filename>``, ``<reponame>``) are metadata that
+    code or markup may hold: they pass, read as the tokenizer reads them.
 
     Example:
       >>> from pockjax.models.llama import Tokenizer

@@ -51,7 +51,7 @@ def alpaca_prompt(instruction: str, input: str = "") -> str:
       >>> alpaca_prompt("Say hi.")
       'Say hi.'
     """
-    return f"{instruction}\n\n{input}" if input else instruction
+    return f"{instruction}\n\n{input}" if input and input.strip() else instruction
 
 
 def load_alpaca_jsonl(path: str | os.PathLike) -> list[Example]:
@@ -192,7 +192,8 @@ def _chat_example(record: dict, where: str) -> Example:
 
 
 def save_alpaca_jsonl(path: str | os.PathLike, examples, instruction: str | None = None) -> None:
-    """Writes examples as Alpaca JSONL (the prompt becomes ``instruction``).
+    """Writes examples as Alpaca JSONL (the prompt becomes ``instruction``); an example with
+    earlier turns as a chat record, so that :func:`load_alpaca_jsonl` reads back every example.
 
     Args:
       path: Output file (written atomically).
@@ -209,7 +210,12 @@ def save_alpaca_jsonl(path: str | os.PathLike, examples, instruction: str | None
     """
     with atomic_open(path, "w", encoding="utf-8") as f:
         for ex in examples:
-            if instruction is None:
+            if ex.context:  # a conversation: a chat record, its earlier turns kept
+                if instruction is not None:
+                    raise DataError("save_alpaca_jsonl: instruction= applies to single-turn examples; a chat"
+                                    " example (with earlier turns) is written as a chat record")
+                rec = {"messages": ex.messages(with_answer=True)}
+            elif instruction is None:
                 rec = {"instruction": ex.prompt, "input": "", "output": ex.answer}
             else:
                 rec = {"instruction": instruction, "input": ex.prompt, "output": ex.answer}

@@ -374,7 +374,11 @@ def _update_applied(v, leaves: set, jaxpr, optimizer: set) -> bool:
             # a stacked output made, slice by slice, as an update of the leaf's slices (xs)
             inner = {b for b, x in zip(body.invars[nc + ncar:], e.invars[nc + ncar:])
                      if var(x) and (x in leaves or (x in reads and applied(x)))}
-            state = {b for b, x in zip(body.invars, e.invars) if var(x) and (x in updating or zero(x))}
+            # state: a constant or a slice as it comes in; a carry only if the loop hands it back
+            # unchanged (inside the loop it holds what the body passes on, not its first value)
+            state = {b for j, (b, x) in enumerate(zip(body.invars, e.invars))
+                     if var(x) and (x in updating or zero(x))
+                     and not (nc <= j < nc + ncar and body.outvars[j - nc] is not b)}
             return bool(inner) and _update_applied(body.outvars[k], inner, body, state)
         bodies = (e.params["branches"], 1) if name == "cond" else (
             ([e.params[_interp.CALL_BODY[e.primitive]]], 0) if e.primitive in _interp.CALL_BODY else None)

@@ -214,17 +214,25 @@ def scatter_add_to_select(fun: Callable, flat_avals: Sequence[Any]) -> Callable:
 
 
 
+def _has_while(jaxpr) -> bool:
+    return any(e.primitive is J.P.while_p or any(_has_while(J.open_jaxpr(sub)) for sub in J.sub_jaxprs(e, strict=False))
+               for e in jaxpr.eqns)
+
+
 def cond_as_select(fun: Callable, flat_avals: Sequence[Any]) -> Callable:
-    """``fun`` with each ``cond`` (free of effects) computing every branch and selecting the
-    taken one's values, in loop and branch bodies too.
+    """``fun`` with each ``cond`` of the failing form (a branch hands one of its operands back,
+    as ``apply_if_finite``'s skipped update does) computing every branch and selecting the taken
+    one's values, in loop and branch bodies too.
 
     The same values (a ``select_n`` by the branch index); every branch runs,
     so what the untaken one computes (an update of non-finite gradients) is
-    computed and dropped.
+    computed and dropped. A cond with an effect or a ``while`` loop in a
+    branch (bounded only under its guard) is kept as it is, and so is one
+    whose branches hand no operand back.
 
     Example:
         >>> import numpy as np
-        >>> f = cond_as_select(lambda x: jax.lax.cond(x[0] > 0, lambda: x * 2, lambda: x), [np.ones(2)])
+        >>> f = cond_as_select(lambda x: jax.lax.cond(x[0] > 0, lambda x: x * 2, lambda x: x, x), [np.ones(2)])
         >>> f(np.array([1.0, 2.0])).tolist(), f(np.array([-1.0, 2.0])).tolist()
         ([2.0, 4.0], [-1.0, 2.0])
         >>> "cond" in str(jax.make_jaxpr(f)(np.ones(2)))
@@ -233,8 +241,10 @@ def cond_as_select(fun: Callable, flat_avals: Sequence[Any]) -> Callable:
     rules: dict = {}
 
     def rule(index, *ops, branches, **_):
-        if any(b.effects for b in branches):
-            return None  # a branch with an effect runs only when taken: as it is
+        if any(b.effects for b in branches) or any(_has_while(b.jaxpr) for b in branches):
+            return None  # a branch with an effect, or a loop only its guard bounds: as it is
+        if not any(v in b.jaxpr.invars for b in branches for v in b.jaxpr.outvars):
+            return None  # no branch hands an operand back: not the failing form, as it is
         outs = [_eval(b.jaxpr, b.consts, list(ops), rules) for b in branches]
         return [lax.select_n(index, *vals) for vals in zip(*outs)]
 

@@ -68,9 +68,9 @@ def hf_config(config_json: dict[str, Any], source: str = "config.json",
     if not isinstance(rope, dict) or not isinstance(scaling, dict):
         raise CheckpointError(f"{source}: rope_parameters and rope_scaling must be objects")
     if rope and scaling:  # transformers lets the older rope_scaling win; pockjax read rope_parameters
-        kinds = [d.get("rope_type", d.get("type", "default")) for d in (rope, scaling)]
+        kinds = [d.get("rope_type", d.get("type")) for d in (rope, scaling)]
         differ = sorted(k for k in set(rope) & set(scaling) - {"rope_type", "type"} if rope[k] != scaling[k])
-        if kinds[0] != kinds[1] or differ:
+        if (None not in kinds and kinds[0] != kinds[1]) or differ:
             raise CheckpointError(f"{source}: rope_parameters ({rope}) and rope_scaling ({scaling}) disagree;"
                                   f" keep the one the model was trained with")
     rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
