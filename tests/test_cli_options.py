@@ -185,3 +185,32 @@ def test_classifier_options_with_no_effect_are_refused(capsys, argv, message):
     # they ran, and run.json recorded image_size 48 / fraction 0.3 that had no effect
     assert pockjax.cli.main(["finetune", *argv, "--steps", "1"]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--prompt", "hi", "--top-p", "0.5"], "--top-p shapes sampling: give --temperature above 0"),
+    (["generate", "--prompt", "hi", "--seed", "5"], "--seed shapes sampling"),
+    (["generate", "--prompt", " "], "--prompt is empty"),
+    (["finetune", "--eval-examples", "0", "--fail-below", "0.5"], "--fail-below gates on the held-out accuracy"),
+    (["finetune", "--eval-examples", "0", "--show", "3"], "--show prints held-out answers"),
+    (["finetune", "--save-every", "5"], "--save-every saves to --out: give --out"),
+    (["finetune", "--out", ""], "--out is empty"),
+    (["plan", "--model", "tiny", "--scheme", "full", "--blocks", "1"], "--scheme full does not use it"),
+    (["plan", "--model", "tiny", "--check"], "--check compares the per-device plan with a compile"),
+    (["memory", "--model", "tiny", "--scheme", "norm-only", "--blocks", "2", "--no-plot"], "does not use it"),
+    (["memory", "--model", "tiny", "--formats", "nope"], "--formats 'nope': give a comma-separated list"),
+    (["memory", "--model", "tiny", "--no-plot", "--formats", "svg"], "give it without --no-plot"),
+    (["export", "--model", "tiny", "--image-size", "32", "--out", "never"], "--image-size does not apply"),
+    (["export", "--model", "tiny", "--dtype", "bf16", "--target", "vulkan", "--out", "never"],
+     "--dtype bf16 does not compile for vulkan"),
+    (["export-model", "--model", "never", "--out", "x.safetensors"], "--format gguf writes one .gguf file"),
+    (["export-model", "--model", "never", "--format", "safetensors", "--out", "x.gguf"],
+     "--format safetensors writes a Hugging Face directory"),
+    (["search", "--model", "tiny", "--task", "add", "--data", "d.jsonl"], "the data file replaces the task"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_options_without_effect_or_in_conflict_are_refused_before_any_work(capsys, argv, message):
+    # each of these ran with exit 0, the option doing nothing (a --fail-below gate that never
+    # gated, --top-p in greedy decoding, a GGUF written under a .safetensors name), or crashed
+    assert pockjax.cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err

@@ -158,6 +158,15 @@ def run_memory(args: argparse.Namespace) -> int:
     from pockjax.transforms.reorder_for_memory import ReorderForMemoryRecord, reorder_for_memory
 
     t0 = time.perf_counter()
+    if _blocks_unused(args):
+        return _error("memory", PockjaxError(_blocks_unused(args)))
+    fmts = tuple(f.strip() for f in args.formats.split(",") if f.strip())
+    if args.no_plot and args.formats != "png":
+        return _error("memory", PockjaxError("--formats chooses the plot's files: give it without --no-plot"))
+    bad = sorted(set(fmts) - {"png", "svg", "pdf"})
+    if not args.no_plot and (bad or not fmts):
+        return _error("memory", PockjaxError(f"--formats {args.formats!r}: give a comma-separated list of png,"
+                                             f" svg, pdf" + (f" ({', '.join(bad)} is not one)" if bad else "")))
     try:
         _check_sizes(args)
         w = abstract_llama_step(model_config(args.model), args.scheme, batch=args.batch, seq=args.seq,
@@ -168,6 +177,8 @@ def run_memory(args: argparse.Namespace) -> int:
     if not args.no_plot:
         from pockjax.io.atomic import remove_stale_temporaries
 
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            return _error("memory", PockjaxError(f"--out {args.out} is a file; the plots go to a directory"))
         remove_stale_temporaries(args.out)  # what an interrupted run left (a missing --out is fine)
     sparse_state = isinstance(w.args[1], SparseOptState)
     base = pockjax.default_passes(w.scheme, sparse_state)
@@ -210,7 +221,6 @@ def run_memory(args: argparse.Namespace) -> int:
     for line in after.after.summary().splitlines()[1:]:
         print(line)
     if not args.no_plot:
-        fmts = tuple(f.strip() for f in args.formats.split(",") if f.strip())
         before = reports["default"][0]
         tag = os.path.splitext(os.path.basename(args.scheme))[0]
         path = os.path.join(args.out, f"memory_{args.model}_{tag}".replace("-", "_"))
@@ -258,8 +268,22 @@ def _plan_inputs(args: argparse.Namespace):
     return dtype, dt, cfg, names, [resolve_scheme(n, cfg, blocks=args.blocks) for n in names]
 
 
+def _blocks_unused(args: argparse.Namespace) -> str | None:
+    """Why ``--blocks`` has no effect with this ``--scheme``, or None (as finetune refuses it)."""
+    if args.blocks is not None and (args.scheme in ("full", "norm-only", "lora") or os.path.isfile(args.scheme)):
+        return (f"--blocks sets how many of the last blocks the paper and channels schemes train; --scheme"
+                f" {args.scheme} does not use it (leave it out)")
+    return None
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from pockjax.errors import PockjaxError
+
+    if _blocks_unused(args):
+        return _error("plan", ValueError(_blocks_unused(args)))
+    if args.check and not (args.mesh or args.devices):
+        return _error("plan", ValueError("--check compares the per-device plan with a compile: give --mesh or"
+                                         " --devices"))
 
     if args.dtype == "f32":
         args.dtype = "fp32"  # the old spelling

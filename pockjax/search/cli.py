@@ -242,6 +242,10 @@ def run_search(cfg: SearchConfig, *, log: Callable[[str], None] | None = None, m
     ref_units = units_of_scheme(ref_scheme, mc)
     if not ref_units:
         raise SearchError(f"the reference scheme {cfg.reference!r} trains none of the search's tensor kinds")
+    unsearched = sorted({u.kind for u in ref_units} - set(kinds))
+    if unsearched:  # the reference's gain is summed over its tensors: each must be a candidate
+        raise SearchError(f"the reference scheme {cfg.reference!r} trains {','.join(unsearched)}, which --kinds"
+                          f" {cfg.kinds} leaves out: add them to --kinds, or choose another --reference")
     val_units = []
     if cfg.validate:
         vb = _parse_blocks(cfg.validate_blocks, mc.n_layers) or [mc.n_layers - 1]
@@ -493,6 +497,9 @@ def _run(args: argparse.Namespace) -> int:
              if getattr(args, k) is not None]
     if extra:
         raise SearchError(f"{', '.join(extra)}: for the classifiers (--model mobilenetv2 or all-minilm-l6-v2)")
+    if "task" in given_options(args) and args.data:  # as finetune: the data file replaces the task
+        raise SearchError(f"--task {args.task} and --data {args.data}: the data file replaces the task; give one"
+                          " of them")
     fields = {f.name for f in dataclasses.fields(SearchConfig)}
     kw = {k: getattr(args, k) for k in fields if hasattr(args, k)}
     kw["plot"] = not args.no_plot

@@ -104,6 +104,14 @@ def run_finetune(args: argparse.Namespace) -> int:
                                              " are for --model mobilenetv2 / all-minilm-l6-v2)"))
 
     given = given_options(args)
+    if args.out == "":
+        return _error("finetune", ValueError("--out is empty: give the directory the run goes to"))
+    if args.fail_below and args.eval_examples == 0:
+        return _error("finetune", ValueError("--fail-below gates on the held-out accuracy: --eval-examples is 0"))
+    if "show" in given and args.show and args.eval_examples == 0:
+        return _error("finetune", ValueError("--show prints held-out answers: --eval-examples is 0"))
+    if "save_every" in given and args.save_every and not args.out and not args.resume:
+        return _error("finetune", ValueError("--save-every saves to --out: give --out"))
     if "task" in given and args.data:  # the run would record a task it did not train on
         return _error("finetune", ValueError(f"--task {args.task} and --data {args.data}: the data file replaces"
                                              " the task; give one of them"))
@@ -136,6 +144,15 @@ def run_finetune(args: argparse.Namespace) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     from pockjax.models import llama
+
+    given = given_options(args)
+    if args.temperature == 0 and given & {"top_p", "seed"}:
+        flags = " and ".join("--" + k.replace("_", "-") for k in sorted(given & {"top_p", "seed"}))
+        verb = "shapes" if " and " not in flags else "shape"
+        return _error("generate", ValueError(f"{flags} {verb} sampling: give --temperature above 0 with it"
+                                             " (0, the default, is greedy)"))
+    if any(not p.strip() for p in args.prompt):
+        return _error("generate", ValueError("--prompt is empty: give the user message to answer"))
 
     try:
         from pockjax.models.llama.generate import check_finite_weights
@@ -266,6 +283,6 @@ def register(subparsers) -> None:
     g.add_argument("--max-new-tokens", type=positive_int, default=64)
     g.add_argument("--temperature", type=non_negative_finite_float, default=0.0,
                    help="0: greedy")
-    g.add_argument("--top-p", type=probability, default=1.0, help="in (0, 1]")
-    g.add_argument("--seed", type=non_negative_int, default=0)
+    g.add_argument("--top-p", type=probability, default=1.0, action=StoreGiven, help="in (0, 1]; with --temperature")
+    g.add_argument("--seed", type=non_negative_int, default=0, action=StoreGiven, help="with --temperature")
     g.set_defaults(func=run_generate)

@@ -71,14 +71,36 @@ def run_export(args) -> int:
     from pockjax.train.schemes import llama_scheme
     from pockjax.train.steps import lm_train_step
 
-    if args.model in ("mobilenetv2", "mobilenetv2-tiny"):
+    import os
+
+    from pockjax.errors import InputError
+
+    vision = args.model in ("mobilenetv2", "mobilenetv2-tiny")
+    unused = ([f for f, given in (("--dtype", args.dtype != "fp32"), ("--quantize", args.quantize != "none"),
+                                  ("--seq-len", args.seq_len != 64)) if given] if vision else
+              [f for f, given in (("--num-classes", args.num_classes != 10), ("--image-size", args.image_size != 224))
+               if given])
+    if args.blocks is not None and (args.scheme in ("full", "norm-only", "lora") or os.path.isfile(args.scheme)):
+        unused.append(f"--blocks (--scheme {args.scheme} trains no last blocks)")
+    if unused:  # an option that would have no effect
+        raise InputError(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not"
+                         f" apply to --model {args.model}; leave"
+                         f" {'it' if len(unused) == 1 else 'them'} out")
+    if args.dtype == "bf16" and args.target == "vulkan":
+        raise InputError("--dtype bf16 does not compile for vulkan (IREE's vulkan-spirv has"
+                         " no 16-bit floats for these programs); use --dtype fp32, or --quantize int8 to carry the"
+                         " frozen weights small")
+    if os.path.isdir(args.out) and os.listdir(args.out) and not os.path.exists(os.path.join(args.out, "module.json")):
+        raise InputError(f"--out {args.out} holds other files (not an earlier export);"
+                         " choose an empty or new directory")
+    if vision:
         return _export_mobilenetv2(args)
     if args.model == "tiny":
         model = llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
     else:
         model, _ = llama.load_pretrained(args.model)
     if args.seq_len > model.config.max_seq_len:
-        raise SystemExit(f"--seq-len {args.seq_len} is beyond the model's context of {model.config.max_seq_len}")
+        raise InputError(f"--seq-len {args.seq_len} is beyond the model's context of {model.config.max_seq_len}")
     graphdef, params = llama.split(model)
     scheme = llama_scheme(args.scheme, model.config, blocks=args.blocks)
     if args.dtype != "fp32" or args.quantize != "none":
@@ -166,6 +188,18 @@ def _run_export_model(args) -> int:
 
     from pockjax.models.llama.export import export_model
 
+    from pockjax.errors import InputError
+
+    ext = os.path.splitext(args.out.rstrip(os.sep))[1].lower()
+    if args.format == "gguf" and ext in (".safetensors", ".json") and not os.path.isdir(args.out):
+        raise InputError(f"--format gguf writes one .gguf file; --out {args.out} names"
+                         " a directory or another format (give a .gguf path, or --format safetensors)")
+    if args.format == "gguf" and os.path.isfile(args.out) and ext != ".gguf":
+        raise InputError(f"--out {args.out} exists and is not a .gguf file; it would"
+                         " be overwritten: choose another path")
+    if args.format == "safetensors" and ext == ".gguf" and not os.path.isfile(args.out):
+        raise InputError(f"--format safetensors writes a Hugging Face directory;"
+                         f" --out {args.out} names a file or a .gguf path (give a directory, or --format gguf)")
     t = time.time()
     out = export_model(args.model, args.out, format=args.format, quant=args.quant)
     size = (os.path.getsize(out) if os.path.isfile(out)

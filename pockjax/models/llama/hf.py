@@ -96,7 +96,7 @@ def hf_config(config_json: dict[str, Any], source: str = "config.json",
         raise CheckpointError(f"{source}: missing {', '.join(missing)}")
     n_heads = c["num_attention_heads"]
     head_dim = c.get("head_dim")
-    if head_dim is not None and isinstance(n_heads, int) and n_heads > 0 \
+    if head_dim is not None and isinstance(n_heads, int) and n_heads > 0 and isinstance(c["hidden_size"], int) \
             and head_dim == c["hidden_size"] // n_heads:
         head_dim = None
     tie = c.get("tie_word_embeddings", False)
