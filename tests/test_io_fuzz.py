@@ -378,7 +378,7 @@ def _expected_examples(text: str) -> list[Example]:
         if line.strip():
             r = json.loads(line)
             out.append(Example(alpaca_prompt(r["instruction"], r.get("input") or ""),
-                               r["output"].strip(), "jsonl"))
+                               r["output"], "jsonl"))  # text as written
     return out
 
 

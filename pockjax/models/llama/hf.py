@@ -42,7 +42,7 @@ def hf_config(config_json: dict[str, Any], source: str = "config.json",
     Example:
       >>> hf_config({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
       ...            "num_hidden_layers": 32, "num_attention_heads": 32,
-      ...            "intermediate_size": 11008}) == LlamaConfig.llama2_7b()
+      ...            "intermediate_size": 11008, "rms_norm_eps": 1e-5}) == LlamaConfig.llama2_7b()
       True
     """
     c = config_json
