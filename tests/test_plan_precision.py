@@ -150,24 +150,48 @@ def test_fit_table_columns(tiny_paper):
     assert fits["fp32"] == ["no", "yes |"] and fits["bf16+int4"] == ["yes", "yes |"]
 
 
+def _gib(text: str) -> float:
+    """A :func:`pockjax.memory.format_bytes` figure back in GiB ("6.45 GiB", "520.00 KiB")."""
+    value, unit = text.split()
+    return float(value) * {"B": 2**-30, "KiB": 2**-20, "MiB": 2**-10, "GiB": 1.0, "TiB": 2**10}[unit]
+
+
 @pytest.mark.slow
-def test_7b_fit_table():
-    """LLaMA-2-7B: full fine-tuning in fp32 fits none of 8/16/24 GiB; the paper scheme with
-    bf16 + int4 frozen weights needs less than fp32 full, so fits at least where it does."""
-    cfg = LlamaConfig.llama2_7b()
-    budgets = (8, 16, 24)
-    full = {p.name: p for p in plan_precisions(cfg, "full", seq=512)}
-    paper = {p.name: p for p in plan_precisions(cfg, "paper", seq=512)}
-    # fp32 weights + two fp32 moments alone exceed 24 GiB
-    assert full["fp32"].weight_bytes + full["fp32"].optimizer_bytes > 24 * 2**30
-    assert not any(full["fp32"].fits(b * 2**30) for b in budgets)
-    q = paper["bf16+int4"]
-    assert q.peak_bytes < paper["bf16+int8"].peak_bytes < paper["bf16"].peak_bytes < paper["fp32"].peak_bytes
-    assert q.peak_bytes < full["fp32"].peak_bytes / 3
+def test_7b_fit_table_from_shapes_in_a_fresh_process():
+    """``pockjax plan --scheme both --fits 8,16,24`` on LLaMA-2-7B, in a fresh process: the scheme
+    ``pockjax finetune`` trains, what fits on 8/16/24 GiB per precision, and a small RSS (planning
+    allocates none of the 25 GiB of fp32 weights). Full fine-tuning in fp32 fits none; the paper
+    scheme with bf16 + int4 frozen weights needs less than a third of it."""
+    import subprocess
+    import sys
+
+    code = ("import resource, sys; from pockjax.cli import main;"
+            " rc = main(['plan', '--scheme', 'both', '--fits', '8,16,24']);"
+            " print('maxrss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "[full]" in out and "[paper (last 11 blocks)]" in out
+    assert "trainable: 6,738,415,616 of 6,738,415,616" in out
+    assert "trainable: 1,730,150,400 of 6,738,415,616" in out  # wq/wk/wv/wo/w1/w3 of blocks 21-31
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0] in ("full", "paper (last 11 blocks)"):
+            rows[(cells[0].split()[0], cells[1])] = cells
+    assert set(rows) == {(s, p) for s in ("full", "paper") for p in ("fp32", "bf16", "bf16+int8", "bf16+int4")}
+    full, q = rows[("full", "fp32")], rows[("paper", "bf16+int4")]
+    # fp32 weights + two fp32 moments alone exceed 24 GiB: fits none of the devices
+    assert full[2] == "none" and _gib(full[3]) + _gib(full[4]) > 24 and full[6:] == ["no", "no", "no"]
+    peak = {p: _gib(rows[("paper", p)][5]) for p in ("fp32", "bf16", "bf16+int8", "bf16+int4")}
+    assert peak["bf16+int4"] < peak["bf16+int8"] < peak["bf16"] < peak["fp32"]
+    assert peak["bf16+int4"] < _gib(full[5]) / 3
     # everything the paper scheme trains stays fp32 (1.73 B parameters, weights and moments)
-    assert q.trained_bytes == 4 * q.trainable == 4 * 1_730_150_400
-    # the smallest device it fits (if any) is no larger than fp32 full's (none)
-    fits = [b for b in budgets if q.fits(b * 2**30)]
-    assert fits == sorted(fits) and all(q.fits(b * 2**30) for b in budgets if b >= min(fits, default=99))
-    table = fit_table([full["fp32"], q], budgets)
-    assert "| full | fp32 | none |" in table and "| no | no | no |" in table.splitlines()[2]
+    assert _gib(q[3]) == pytest.approx(4 * 1_730_150_400 / 2**30, abs=0.01)
+    assert _gib(q[4]) == pytest.approx(2 * _gib(q[3]), abs=0.01)
+    assert q[2].startswith("q4_1 ")
+    # a device that fits is never smaller than one that does not
+    fits = [c == "yes" for c in q[6:]]
+    assert fits == sorted(fits)
+    rss = int(out.split("maxrss_kib")[1].split()[0]) * 1024
+    assert rss < 2 * 2**30, "planning must not allocate the 25 GiB of fp32 weights"

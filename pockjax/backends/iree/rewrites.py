@@ -114,18 +114,12 @@ def scatter_add_as_select(operand, indices, updates, dimension_numbers, mode) ->
     return operand + jnp.where(hit, upd, jnp.zeros((), operand.dtype)).astype(operand.dtype)
 
 
-def _uses(jaxpr, rules) -> bool:
-    """Whether ``jaxpr`` (or a body in it, at any depth) holds a primitive ``rules`` rewrites."""
-    return any(e.primitive in rules or any(_uses(J.open_jaxpr(sub), rules) for sub in J.sub_jaxprs(e, strict=False))
-               for e in jaxpr.eqns)
-
-
 def _loop_or_branch(eqn, invals, rules):
     """A ``scan``, ``while`` or ``cond`` rebuilt with ``rules`` applied in its bodies (None: another
     primitive, or bodies with nothing to rewrite: bound as it is)."""
     name = eqn.primitive.name
     if name not in ("scan", "while", "cond") or not any(
-            _uses(J.open_jaxpr(sub), rules) for sub in J.sub_jaxprs(eqn, strict=False)):
+            J.contains(sub, lambda e: e.primitive in rules) for sub in J.sub_jaxprs(eqn, strict=False)):
         return None
     p = eqn.params
 
@@ -214,11 +208,6 @@ def scatter_add_to_select(fun: Callable, flat_avals: Sequence[Any]) -> Callable:
 
 
 
-def _has_while(jaxpr) -> bool:
-    return any(e.primitive is J.P.while_p or any(_has_while(J.open_jaxpr(sub)) for sub in J.sub_jaxprs(e, strict=False))
-               for e in jaxpr.eqns)
-
-
 def cond_as_select(fun: Callable, flat_avals: Sequence[Any]) -> Callable:
     """``fun`` with each ``cond`` of the failing form (a branch hands one of its operands back,
     as ``apply_if_finite``'s skipped update does) computing every branch and selecting the taken
@@ -241,7 +230,7 @@ def cond_as_select(fun: Callable, flat_avals: Sequence[Any]) -> Callable:
     rules: dict = {}
 
     def rule(index, *ops, branches, **_):
-        if any(b.effects for b in branches) or any(_has_while(b.jaxpr) for b in branches):
+        if any(b.effects for b in branches) or any(J.contains(b, lambda e: e.primitive is J.P.while_p) for b in branches):
             return None  # a branch with an effect, or a loop only its guard bounds: as it is
         if not any(v in b.jaxpr.invars for b in branches for v in b.jaxpr.outvars):
             return None  # no branch hands an operand back: not the failing form, as it is
