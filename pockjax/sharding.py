@@ -75,6 +75,31 @@ def parse_mesh(spec: str) -> dict[str, int]:
     return axes
 
 
+def training_mesh_axes(spec: str) -> dict[str, int]:
+    """:func:`parse_mesh` of a ``--mesh`` that ``pockjax finetune`` and ``pockjax plan`` shard a
+    LLaMA step over: only the ``data`` and ``fsdp`` axes (another name would be split
+    as a batch axis without a word, a ``model`` axis replicated rather than split).
+
+    Raises:
+      ShardingError: a malformed mesh, or an axis other than ``data`` and ``fsdp``.
+
+    Example:
+      >>> training_mesh_axes("data=2,fsdp=4")
+      {'data': 2, 'fsdp': 4}
+      >>> training_mesh_axes("foo=2")
+      Traceback (most recent call last):
+      ...
+      pockjax.sharding.ShardingError: --mesh foo=2: a fine-tuning mesh knows the axes data and fsdp, not foo
+    """
+    axes = parse_mesh(spec)
+    unknown = [a for a in axes if a not in ("data", "fsdp")]
+    if unknown:
+        hint = " (tensor parallel: use pockjax.shard rules)" if set(unknown) & set(MODEL_AXES) else ""
+        raise ShardingError(f"--mesh {spec}: a fine-tuning mesh knows the axes data and fsdp, not"
+                            f" {', '.join(unknown)}{hint}")
+    return axes
+
+
 def make_mesh(spec: str | Mapping[str, int], devices: Any = None) -> Mesh:
     """A device mesh from ``"data=2,fsdp=4"`` (or a dict) over the first devices.
 

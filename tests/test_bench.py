@@ -376,7 +376,8 @@ def test_duplicated_rows_and_quality_rows_without_steps_are_refused(tmp_path, ca
                        (["--rows", "none", "--quality-steps", "2", "--quality-rows", "pockjax-paper,pockjax-paper"],
                         "rows ['pockjax-paper'] are given more than once"),
                        (["--quality-rows", "pockjax-paper"], "--quality-rows needs --quality-steps"),
-                       (["--workload", "minilm", "--rows", "pockjax-paper,pockjax-paper"], "more than once")]:
+                       (["--workload", "minilm", "--rows", "pockjax-paper,pockjax-paper"], "more than once"),
+                       (["--rows", "nope"], "pockjax bench: error: unknown rows ['nope']; rows: torch-full")]:
         assert code(argv) == 2, argv
         assert says in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

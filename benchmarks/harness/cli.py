@@ -41,7 +41,7 @@ def _cmd(args: argparse.Namespace) -> int:
             print(f"written: {args.plot}")
         return 0
     if args.plot:  # without --history
-        print("pockjax bench: --plot goes with --history", file=sys.stderr)
+        print("pockjax bench: error: --plot goes with --history", file=sys.stderr)
         return 2
     if args.merge:
         from benchmarks.harness.runner import markdown_table, merge
@@ -60,14 +60,14 @@ def _cmd(args: argparse.Namespace) -> int:
             print(f"{name:22s} {row.description}")
         return 0
     if args.quality_steps == 0 and args.quality_rows is not None and args.quality_rows.strip() not in NO_ROWS:
-        print("pockjax bench: --quality-rows needs --quality-steps N (N >= 1); without it there is no quality"
+        print("pockjax bench: error: --quality-rows needs --quality-steps N (N >= 1); without it there is no quality"
               " phase", file=sys.stderr)
         return 2
     if args.workload != "llama":
         return _classifier_cmd(args)
     cfg = llama_config(args)
     if min(cfg.batch, cfg.seq, cfg.steps) < 1 or cfg.warmup < 0 or cfg.quality_steps < 0:
-        print("pockjax bench: --batch, --seq and --steps must be >= 1, --warmup and"
+        print("pockjax bench: error: --batch, --seq and --steps must be >= 1, --warmup and"
               " --quality-steps >= 0", file=sys.stderr)
         return 2
     from pockjax.data.batching import SequenceLengthError
@@ -104,11 +104,11 @@ def _row_names(text: str | None, default, table, what: str) -> list[str] | None:
     out = [t.strip() for t in text.split(",") if t.strip()]
     bad = [t for t in out if t not in table]
     if bad:
-        print(f"pockjax bench: unknown {what}rows {bad}; rows: {', '.join(table)}", file=sys.stderr)
+        print(f"pockjax bench: error: unknown {what}rows {bad}; rows: {', '.join(table)}", file=sys.stderr)
         raise SystemExit(2)
     twice = sorted({t for t in out if out.count(t) > 1})
     if twice:  # a speed row would run twice a round, a quality row overwrite its own result
-        print(f"pockjax bench: {what}rows {twice} are given more than once; name each row once", file=sys.stderr)
+        print(f"pockjax bench: error: {what}rows {twice} are given more than once; name each row once", file=sys.stderr)
         raise SystemExit(2)
     return out
 
@@ -152,7 +152,7 @@ def _classifier_cmd(args: argparse.Namespace) -> int:
     from benchmarks.harness.classifier_runner import classifier_table, run_classifier
 
     if args.torch_mkl_any_cpu or args.blocks is not None:
-        print("pockjax bench: --torch-mkl-any-cpu and --blocks are for --workload llama only",
+        print("pockjax bench: error: --torch-mkl-any-cpu and --blocks are for --workload llama only",
               file=sys.stderr)
         return 2
     cfg = classifier_config(args)

@@ -414,13 +414,19 @@ def run_plan_per_device(args: argparse.Namespace) -> int:
     if args.mesh and args.devices:
         return _error("plan", ValueError("give --devices N or --mesh AXIS=N,..., not both"))
     meshes = [args.mesh] if args.mesh else [f"data={args.devices}", f"fsdp={args.devices}"]
-    from pockjax.sharding import request_host_devices
+    from pockjax.errors import PockjaxError
+    from pockjax.sharding import request_host_devices, training_mesh_axes
+
+    try:
+        for mesh in meshes:
+            training_mesh_axes(mesh)
+    except PockjaxError as e:
+        return _error("plan", e)
 
     for mesh in meshes:
         request_host_devices(mesh)  # before JAX starts (the CPU split into that many devices)
     import jax
 
-    from pockjax.errors import PockjaxError
     from pockjax.memory.sharded_plan import plan_llama_per_device
 
     try:

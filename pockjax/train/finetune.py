@@ -708,13 +708,9 @@ def _validate(cfg: FinetuneConfig, steps_known: bool = True) -> None:
         raise FinetuneError(f"--mesh trains fp32 weights: --dtype {cfg.dtype} / --quantize {cfg.quantize}"
                             " run on one device (leave out --mesh / --devices)")
     if cfg.mesh:
-        from pockjax.sharding import MODEL_AXES, parse_mesh
+        from pockjax.sharding import training_mesh_axes
 
-        axes = parse_mesh(cfg.mesh)  # ShardingError on a malformed --mesh
-        unknown = [a for a in axes if a not in ("data", "fsdp")]
-        if unknown:
-            raise FinetuneError(f"--mesh {cfg.mesh}: finetune knows the axes data and fsdp, not"
-                                f" {', '.join(unknown)}{' (tensor parallel: use pockjax.shard rules)' if set(unknown) & set(MODEL_AXES) else ''}")
+        axes = training_mesh_axes(cfg.mesh)  # ShardingError on a malformed mesh or another axis
         split = math.prod(axes.values())
         if cfg.batch_size % split:
             raise FinetuneError(f"--batch-size {cfg.batch_size} cannot be split over the {split} devices"
