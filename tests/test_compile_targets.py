@@ -116,6 +116,40 @@ def test_cli_export_tiny_llama_runs_in_runtime(tmp_path):
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
 
 
+def test_cli_export_of_the_lora_scheme_runs_in_runtime_as_xla_computes_it(tmp_path):
+    """``pockjax export --scheme lora`` adds the adapters ``pockjax finetune`` adds (it refused
+    the scheme before): the module's steps equal the XLA-compiled LoRA step's."""
+    from flax import nnx
+
+    from pockjax import runtime
+    from pockjax.adapters import add_adapters
+    from pockjax.cli import main
+    from pockjax.models import llama
+    from pockjax.train.schemes import llama_scheme
+    from pockjax.train.steps import lm_train_step
+
+    out = tmp_path / "tiny-lora"
+    assert main(["export", "--model", "tiny", "--scheme", "lora", "--target", "cpu", "--seq-len", "16",
+                 "--lr", "0.01", "--out", str(out)]) == 0
+    module = runtime.load(out)
+    tokens = (np.arange(16, dtype=np.int32) % 7)[None]
+    mask = np.ones((1, 16), np.float32)
+    got = [float(np.asarray(module.step(tokens, tokens, mask)[0])) for _ in range(3)]
+
+    model = llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    graphdef, params = llama.split(model)
+    scheme = llama_scheme("lora", model.config)
+    params = add_adapters(params, scheme)
+    tx = optax.adamw(0.01)
+    step = pockjax.compile(lm_train_step(graphdef, tx), scheme=scheme)
+    opt_state, want = pockjax.init_opt_state(tx, params, scheme), []
+    for _ in range(3):
+        params, opt_state, loss = step(params, opt_state, jnp.asarray(tokens), jnp.asarray(tokens), jnp.asarray(mask))
+        want.append(float(loss))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert want[-1] < want[0]  # the adapters train
+
+
 def test_iree_compile_cache_reuses_only_the_same_module_and_flags(tmp_path, monkeypatch):
     import iree.compiler as ic
 

@@ -19,6 +19,7 @@ from pockjax.memory import CATEGORIES, analyze, aval_bytes, plan
 from pockjax.memory import liveness as L
 from pockjax.memory.llama_plan import abstract_llama_step, plan_llama
 from pockjax.models.llama import LlamaConfig
+from pockjax.paths import leaf_paths
 
 F32 = jnp.float32
 N = 256  # elements; one f32[N] buffer is 1 KiB
@@ -541,3 +542,28 @@ def test_eager_update_schedule_frees_gradients_unless_coupled():
     eager_clipped = plan(*clipped, donate_argnums=(0, 1), schedule="eager_update").report
     assert eager_clipped.peak_breakdown["gradient"] >= grads - width * 4 * depth
     assert eager_clipped.peak_bytes > eager.peak_bytes
+
+
+def test_plan_and_memory_plan_the_lora_scheme_with_its_adapters(capsys, tmp_path):
+    """``pockjax plan/memory --scheme lora`` plan the step with the adapters ``pockjax finetune``
+    adds (they refused the scheme before): the count is finetune's, the state only the adapters'."""
+    from flax import nnx
+
+    from pockjax.adapters import add_adapters
+    from pockjax.cli import main
+    from pockjax.models import llama
+    from pockjax.train.schemes import llama_scheme
+
+    model = llama.Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    scheme = llama_scheme("lora", model.config)
+    desc = scheme.describe(add_adapters(llama.split(model)[1], scheme))
+    assert main(["plan", "--model", "tiny", "--scheme", "lora", "--seq", "16"]) == 0
+    out = capsys.readouterr().out
+    assert f"trainable: {desc.trainable:,} of {desc.total:,} parameters" in out, out
+    w = abstract_llama_step(LlamaConfig.tiny(), "lora", seq=16)
+    adapters = sum(x.size for p, x in zip(leaf_paths(w.args[0]), jax.tree.leaves(w.args[0])) if "lora_" in p)
+    assert adapters == desc.trainable
+    # AdamW's two moments, for the adapters only
+    assert sum(x.size for x in jax.tree.leaves(w.args[1])) <= 2 * adapters + 16
+    assert main(["memory", "--model", "tiny", "--scheme", "lora", "--seq", "16", "--no-plot",
+                 "--out", str(tmp_path / "m")]) == 0

@@ -162,15 +162,15 @@ def test_7b_fit_table_from_shapes_in_a_fresh_process():
     ``pockjax finetune`` trains, what fits on 8/16/24 GiB per precision, and a small RSS (planning
     allocates none of the 25 GiB of fp32 weights). Full fine-tuning in fp32 fits none; the paper
     scheme with bf16 + int4 frozen weights needs less than a third of it."""
-    import subprocess
     import sys
 
-    code = ("import resource, sys; from pockjax.cli import main;"
-            " rc = main(['plan', '--scheme', 'both', '--fits', '8,16,24']);"
-            " print('maxrss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    out = r.stdout
+    from benchmarks._memory_rss import peak_rss_of_command
+
+    # the command's own peak (a child's getrusage would start at the forking test worker's)
+    r = peak_rss_of_command([sys.executable, "-m", "pockjax.cli", "plan", "--scheme", "both", "--fits", "8,16,24"],
+                            timeout=600)
+    assert r.returncode == 0, r.output
+    out = r.output
     assert "[full]" in out and "[paper (last 11 blocks)]" in out
     assert "trainable: 6,738,415,616 of 6,738,415,616" in out
     assert "trainable: 1,730,150,400 of 6,738,415,616" in out  # wq/wk/wv/wo/w1/w3 of blocks 21-31
@@ -193,5 +193,4 @@ def test_7b_fit_table_from_shapes_in_a_fresh_process():
     # a device that fits is never smaller than one that does not
     fits = [c == "yes" for c in q[6:]]
     assert fits == sorted(fits)
-    rss = int(out.split("maxrss_kib")[1].split()[0]) * 1024
-    assert rss < 2 * 2**30, "planning must not allocate the 25 GiB of fp32 weights"
+    assert r.peak_bytes < 2 * 2**30, "planning must not allocate the 25 GiB of fp32 weights"

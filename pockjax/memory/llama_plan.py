@@ -135,6 +135,10 @@ def abstract_llama_step(config: Any, scheme: Any = "full", *, dtype: Any = jnp.f
         config = config.replace(max_seq_len=seq)
     model = nnx.eval_shape(lambda: llama.Llama(config, rngs=nnx.Rngs(0), param_dtype=dtype))
     graphdef, params = llama.split(model)
+    if scheme is not None and scheme.has_lora:  # the adapters pockjax finetune adds, as shapes
+        from pockjax.adapters import add_adapters
+
+        params = jax.eval_shape(lambda p: add_adapters(p, scheme), params)
     if scheme is None:
         opt_state = jax.eval_shape(tx.init, params)
     else:

@@ -39,7 +39,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("--model", default="smollm2-135m",
                    help="smollm2-135m, a .gguf / checkpoint path, 'tiny', mobilenetv2 or mobilenetv2-tiny")
-    p.add_argument("--scheme", default="paper", help="full, paper, norm-only, channels, or a scheme JSON file")
+    p.add_argument("--scheme", default="paper", help="full, paper, norm-only, channels, lora, or a scheme JSON file")
     p.add_argument("--blocks", type=positive_int, default=None,
                    help="last blocks trained by paper/channels (default: the registry's depth rule,"
                         " see pockjax/schemes.py paper_blocks)")
@@ -110,6 +110,10 @@ def run_export(args) -> int:
         frozen = scheme.frozen_paths(flatten_params(params))
         params = hold_frozen(params, model.config, frozen.__contains__, quantize=args.quantize,
                              dtype=DTYPES[args.dtype])
+    if scheme.has_lora:  # the adapters pockjax finetune adds (over held frozen weights too)
+        from pockjax.adapters import add_adapters
+
+        params = add_adapters(params, scheme)
     tx = optax.adamw(args.lr)
     train_step = lm_train_step(graphdef, tx)
 
