@@ -390,7 +390,7 @@ def plan_precisions(config: Any, scheme: Any = "full", precisions: Any = PRECISI
     rows = {r.path: r for r in desc.rows}
     opt_bytes = sum(b for b, role in zip(_aval_sizes(graph), graph.in_roles) if role == "opt_state")
     donated = {"param", "opt_state"} if donate else False
-    out = []
+    out, analysed = [], {}
     for dtype, quantize in combos:
         t0 = time.perf_counter()
         held, frozen, trained, sizes = {}, {}, 0, {}
@@ -406,10 +406,12 @@ def plan_precisions(config: Any, scheme: Any = "full", precisions: Any = PRECISI
                 frozen[fmt] = frozen.get(fmt, 0) + nbytes
         dequant = max((math.prod(rows[p].shape) * _ITEMSIZE[dtype] for p, f in held.items()
                        if f not in _ITEMSIZE), default=0)
-        reports = []
-        for g in (graph, inplace_graph):
-            in_bytes = [sizes[p] if role == "param" else None for p, role in zip(g.in_paths, g.in_roles)]
-            reports.append(analyze(g, donate=donated, in_bytes=in_bytes, **analyze_kwargs))
+        key = tuple(sorted(sizes.items()))
+        if key not in analysed:  # precisions that hold every tensor alike (full: all trained) share one
+            analysed[key] = [analyze(g, donate=donated, in_bytes=[sizes[p] if role == "param" else None
+                                                                  for p, role in zip(g.in_paths, g.in_roles)],
+                                     **analyze_kwargs) for g in (graph, inplace_graph)]
+        reports = analysed[key]
         secs = dict(seconds, analyze=time.perf_counter() - t0)
         out.append(PrecisionPlan(dtype, quantize, scheme, desc.trainable, desc.total, held, frozen, trained,
                                  opt_bytes, dequant, reports[0], reports[1], secs))
