@@ -41,7 +41,7 @@ from pockjax.paths import leaf_paths
 from pockjax.scheme import glob_match
 
 __all__ = ["ShardingError", "batch_axes", "make_mesh", "parse_mesh", "partition_specs", "request_host_devices",
-           "shard", "shard_batch", "shard_like", "shard_train_state"]
+           "shard", "shard_batch", "shard_like", "shard_train_state", "training_mesh_axes"]
 
 #: Mesh axes that split the model's tensors, never the batch.
 MODEL_AXES = ("model",)

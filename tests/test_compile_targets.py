@@ -1,5 +1,7 @@
 """pockjax.compile(..., target=...): the IREE-compiled sparse step equals the XLA one."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,7 +120,8 @@ def test_cli_export_tiny_llama_runs_in_runtime(tmp_path):
 
 def test_cli_export_of_the_lora_scheme_runs_in_runtime_as_xla_computes_it(tmp_path):
     """``pockjax export --scheme lora`` adds the adapters ``pockjax finetune`` adds (it refused
-    the scheme before): the module's steps equal the XLA-compiled LoRA step's."""
+    the scheme before): the module's steps equal the XLA-compiled LoRA step's. Over held frozen
+    weights too (``--quantize int8``: the LoRA bases block-quantized, as finetune holds them)."""
     from flax import nnx
 
     from pockjax import runtime
@@ -127,6 +130,15 @@ def test_cli_export_of_the_lora_scheme_runs_in_runtime_as_xla_computes_it(tmp_pa
     from pockjax.models import llama
     from pockjax.train.schemes import llama_scheme
     from pockjax.train.steps import lm_train_step
+
+    held = tmp_path / "tiny-lora-int8"
+    assert main(["export", "--model", "tiny", "--scheme", "lora", "--quantize", "int8", "--target", "cpu",
+                 "--seq-len", "16", "--out", str(held)]) == 0
+    inputs = {i["name"]: i["dtype"] for i in json.loads((held / "module.json").read_text())["inputs"]}
+    assert inputs["layers.0.attn.wq.kernel.base.q"] == "int8" and inputs["layers.0.attn.wq.kernel.lora_a"] == "float32"
+    tokens = np.ones((1, 16), np.int32)
+    losses = [float(np.asarray(runtime.load(held).step(tokens, tokens, np.ones((1, 16), np.float32))[0]))]
+    assert np.isfinite(losses).all()
 
     out = tmp_path / "tiny-lora"
     assert main(["export", "--model", "tiny", "--scheme", "lora", "--target", "cpu", "--seq-len", "16",

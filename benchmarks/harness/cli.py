@@ -29,14 +29,14 @@ def _cmd(args: argparse.Namespace) -> int:
 
         h = history(args.history)
         if not h["runs"]:
-            print("pockjax bench --history: none of these runs has a speed phase", file=sys.stderr)
+            print("pockjax bench: error: --history: none of these runs has a speed phase", file=sys.stderr)
             return 2
         print(history_table(h), end="")
         if args.plot:
             from benchmarks.harness.history import plot_history
 
             if plot_history(h, args.plot) is None:
-                print("pockjax bench --plot: needs matplotlib (pip install matplotlib)", file=sys.stderr)
+                print("pockjax bench: error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
                 return 2
             print(f"written: {args.plot}")
         return 0

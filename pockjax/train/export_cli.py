@@ -107,7 +107,7 @@ def run_export(args) -> int:
         from pockjax.models.llama.mixed import DTYPES, hold_frozen
         from pockjax.paths import flatten_params
 
-        frozen = scheme.frozen_paths(flatten_params(params))
+        frozen = scheme.frozen_paths(flatten_params(params), lora_bases=True)  # as finetune holds them
         params = hold_frozen(params, model.config, frozen.__contains__, quantize=args.quantize,
                              dtype=DTYPES[args.dtype])
     if scheme.has_lora:  # the adapters pockjax finetune adds (over held frozen weights too)

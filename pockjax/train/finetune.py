@@ -860,7 +860,8 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     Raises:
       FinetuneError, DataError, SequenceLengthError, SchemeError (including
       UnmatchedPatternError and a scheme that freezes every parameter),
-      GGUFError, FileNotFoundError: bad input; raised before anything is written.
+      GGUFError, ShardingError (a --mesh it cannot train on), FileNotFoundError: bad
+      input; raised before anything is written.
       NonFiniteError: the loss, a trained weight or its optimizer state became
         NaN or infinite, or the weights grew beyond :data:`WEIGHT_GROWTH_LIMIT`
         times their size at the start (the output directory keeps the last
