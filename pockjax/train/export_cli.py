@@ -86,6 +86,13 @@ def run_export(args) -> int:
         raise InputError(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not"
                          f" apply to --model {args.model}; leave"
                          f" {'it' if len(unused) == 1 else 'them'} out")
+    gpu = args.target in ("cuda", "vulkan")
+    if args.arch and not gpu:
+        raise InputError(f"--arch names a GPU architecture (--target cuda or vulkan), not a CPU of --target"
+                         f" {args.target}: name the CPU with --cpu (e.g. --cpu cortex-a76)")
+    if args.cpu and gpu:
+        raise InputError(f"--cpu names a CPU of --target cpu, arm64 or dsp; --target {args.target} is a GPU:"
+                         f" name its architecture with --arch (e.g. --arch sm_80)")
     if args.dtype == "bf16" and args.target == "vulkan":
         raise InputError("--dtype bf16 does not compile for vulkan (IREE's vulkan-spirv has"
                          " no 16-bit floats for these programs); use --dtype fp32, or --quantize int8 to carry the"
