@@ -391,6 +391,27 @@ def test_plan_small_llama_full_and_sparse():
     assert plan(w.step, w.args, donate_argnums=(0, 1), budget_gb=1).fits
 
 
+def test_a_plan_after_another_schemes_equals_the_plan_alone():
+    # plan_llama reuses the last trace of the same step (plan --scheme both traces once):
+    # what one scheme's passes do to it must not reach the next scheme's plan
+    from pockjax.memory import llama_plan
+
+    cfg = LlamaConfig.tiny(n_layers=4)
+
+    def summary(r):
+        return (r.trainable, r.program.peak_bytes, r.inplace.peak_bytes, r.program.primitives, str(r.graph.jaxpr))
+
+    llama_plan._LAST_TRACE.clear()
+    alone = summary(plan_llama(cfg, "paper", seq=16))
+    llama_plan._LAST_TRACE.clear()
+    full = summary(plan_llama(cfg, "full", seq=16))
+    assert llama_plan._LAST_TRACE, "the trace was not kept for the next plan"
+    kept = llama_plan._LAST_TRACE[0][1]
+    assert summary(plan_llama(cfg, "paper", seq=16)) == alone
+    assert llama_plan._LAST_TRACE[0][1] is kept  # the same trace served both
+    assert summary(plan_llama(cfg, "full", seq=16)) == full
+
+
 @pytest.mark.parametrize(
     "model",
     ["mlp", "transformer", "transformer_sparse"],

@@ -172,6 +172,30 @@ class LlamaPlan:
     seconds: dict[str, float]
 
 
+_LAST_TRACE: list = []  # [(key, traced)]: the last default-optimizer step traced
+
+
+def _trace_once(w: Any, args: tuple, optimizer: Any, dtype: Any) -> Any:
+    """``pockjax.trace_step(w.step, args)``, reused while the step is the same.
+
+    With the default optimizer the traced step depends only on the model's
+    config and the arguments' shapes, not on the scheme (the passes that read
+    the scheme come after, and build new graphs): ``plan --scheme both`` and the
+    per-precision plans trace it once.
+    """
+    import pockjax
+
+    if optimizer is not None:  # any optax object: its code is not known from a key
+        return pockjax.trace_step(w.step, args)
+    leaves, tree = jax.tree.flatten(args)
+    key = (repr(w.config), str(jnp.dtype(dtype)), tree, tuple((x.shape, str(x.dtype)) for x in leaves))
+    if _LAST_TRACE and _LAST_TRACE[0][0] == key:
+        return _LAST_TRACE[0][1]
+    traced = pockjax.trace_step(w.step, args)
+    _LAST_TRACE[:] = [(key, traced)]
+    return traced
+
+
 def _traced(config: Any, scheme: Any, *, dtype: Any, batch: int, seq: int, optimizer: Any,
             blocks: int | None) -> tuple:
     """``(step, scheme, desc, graph, inplace_graph, seconds)``: the step traced and rewritten."""
@@ -188,7 +212,8 @@ def _traced(config: Any, scheme: Any, *, dtype: Any, batch: int, seq: int, optim
     t0 = time.perf_counter()
     # traced against the full optimizer state, as pockjax.compile does; sparse_grad
     # then drops the state of what the scheme freezes
-    traced = pockjax.trace_step(w.step, (params, opt_state.full_abstract() if sparse_state else opt_state, batch_))
+    args = (params, opt_state.full_abstract() if sparse_state else opt_state, batch_)
+    traced = _trace_once(w, args, optimizer, dtype)
     t1 = time.perf_counter()
     passes = pockjax.default_passes(w.scheme, sparse_state)
     graph = passes(traced)
