@@ -96,8 +96,8 @@ def nbytes(tree) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
-def run(step_fn, tx, params, batches, scheme, mesh=None, mode=None):
-    step = pockjax.compile(step_fn, scheme=scheme)
+def run(step_fn, tx, params, batches, scheme, mesh=None, mode=None, step=None):
+    step = step if step is not None else pockjax.compile(step_fn, scheme=scheme)
     p = jax.tree.map(jnp.copy, params)
     # a sparse scheme keeps optimizer state only for what it trains
     o = tx.init(p) if scheme == pockjax.UpdateScheme.full() else pockjax.init_opt_state(tx, p, scheme)
@@ -233,17 +233,19 @@ def plan_checks() -> dict:
     return out
 
 
-def tensor_parallel_check() -> dict:
-    """The tiny LLaMA with attention and MLP weights split over a "model" axis (rules), against one device."""
-    _, tx, params, batches, schemes = llama_case()
-    step_fn = llama_case()[0]
+def tensor_parallel_check(refs) -> dict:
+    """The tiny LLaMA with attention and MLP weights split over a "model" axis (rules), against one device.
+
+    ``refs``: the one-device results of ``main`` for the same case, ``{scheme name: (params, opt_state)}``.
+    """
+    step_fn, tx, params, batches, schemes = llama_case()
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     rules = {"layers.*.attn.w[qkv].kernel": P(None, "model"), "layers.*.attn.wo.kernel": P("model", None),
              "layers.*.mlp.w[13].kernel": P(None, "model"), "layers.*.mlp.w2.kernel": P("model", None)}
     out = {}
     for name in ("full", "sparse"):
         scheme = schemes[name]
-        ref_p, ref_o, _, _ = run(step_fn, tx, params, batches, scheme)
+        ref_p, ref_o = refs[name]
         step = pockjax.compile(step_fn, scheme=scheme)
         p = shard(jax.tree.map(jnp.copy, params), mesh, rules)
         o = shard_like(tx.init(p) if name == "full" else pockjax.init_opt_state(tx, p, scheme), p)
@@ -364,12 +366,15 @@ def nnx_check(mesh) -> dict:
 def main(out_path: str) -> int:
     assert len(jax.devices()) == N, jax.devices()
     mesh = Mesh(np.array(jax.devices()), ("d",))
-    results = {}
+    results, llama_refs = {}, {}
     for name, case in (("mlp", mlp_case), ("llama", llama_case)):
         step_fn, tx, params, batches, schemes = case()
         for scheme_name, scheme in schemes.items():
-            ref_p, ref_o, ref_losses, _ = run(step_fn, tx, params, batches, scheme)
-            one = pockjax.compile(step_fn, scheme=scheme).lower(params, ref_o, *batches[0]).compile()
+            one_device = pockjax.compile(step_fn, scheme=scheme)
+            ref_p, ref_o, ref_losses, _ = run(step_fn, tx, params, batches, scheme, step=one_device)
+            if name == "llama":
+                llama_refs[scheme_name] = (ref_p, ref_o)
+            one = one_device.lower(params, ref_o, *batches[0]).compile()
             results[f"{name}/{scheme_name}"] = {
                 "param_bytes": nbytes(params),
                 "opt_bytes": nbytes(ref_o),
@@ -403,7 +408,7 @@ def main(out_path: str) -> int:
     }
     results["finetune"] = finetune_checks()
     results["plan"] = plan_checks()
-    results["tensor_parallel"] = tensor_parallel_check()
+    results["tensor_parallel"] = tensor_parallel_check(llama_refs)
     results["sharding_constraint"] = constraint_check(mesh)
     results["placements"] = placement_checks(mesh)
     results["nnx"] = nnx_check(mesh)
