@@ -53,12 +53,19 @@ from pockjax.transforms.strip_tags import strip_tags
 
 
 def default_passes(scheme: UpdateScheme | None, sparse_opt_state: bool = False, *,
-                   allow_nothing_trained: bool = False, rank_first_barrier: bool | None = None) -> Pass:
+                   allow_nothing_trained: bool = False, rank_first_barrier: bool | None = None,
+                   check: bool = True) -> Pass:
     """``sparse_grad(scheme)``, ``dce()``, then ``fold_dot_transpose()`` (no ``sparse_grad`` without a scheme).
 
     A scheme with :func:`~pockjax.lora` rules also gets :func:`~pockjax.low_rank`
     (and a second ``dce``) after the first ``dce``; ``rank_first_barrier`` is its
     option.
+
+    ``check`` is passed to :func:`~pockjax.dce` and
+    :func:`~pockjax.fold_dot_transpose`: ``False`` skips their ``check_jaxpr``
+    of each rewritten program, for graphs that are only analysed (FLOPs,
+    liveness) and never compiled (the search's candidates, the planner's steps);
+    :func:`pockjax.compile` always checks.
 
     The memory passes (:func:`~pockjax.inplace_update`,
     :func:`~pockjax.reorder_for_memory`) are not in the default pipeline: measured
@@ -72,13 +79,14 @@ def default_passes(scheme: UpdateScheme | None, sparse_opt_state: bool = False, 
         'chain(sparse_grad, dce, fold_dot_transpose)'
     """
     if scheme is None:
-        return chain(dce(), fold_dot_transpose())
+        return chain(dce(check=check), fold_dot_transpose(check=check))
     grads = sparse_grad(scheme, sparse_opt_state=sparse_opt_state, allow_nothing_trained=allow_nothing_trained)
     if scheme.has_lora:
         from pockjax.transforms.low_rank import low_rank
 
-        return chain(grads, dce(), low_rank(rank_first_barrier=rank_first_barrier), dce(), fold_dot_transpose())
-    return chain(grads, dce(), fold_dot_transpose())
+        return chain(grads, dce(check=check), low_rank(rank_first_barrier=rank_first_barrier), dce(check=check),
+                     fold_dot_transpose(check=check))
+    return chain(grads, dce(check=check), fold_dot_transpose(check=check))
 
 
 # -- the compiled step ----------------------------------------------------------

@@ -28,12 +28,15 @@ class Crash(Exception):
     """Stands for the process dying at the rename."""
 
 
-def _crash_at(monkeypatch, name: str) -> None:
-    """Makes every rename onto a file called ``name`` fail."""
+def _crash_at(monkeypatch, name: str, attempted: dict | None = None) -> None:
+    """Makes every rename onto a file called ``name`` fail (``attempted[name]``: what it would have written)."""
     real = os.replace
 
     def replace(src, dst, *args, **kwargs):
         if os.path.basename(os.fspath(dst)) == name:
+            if attempted is not None:
+                with open(src, "rb") as f:
+                    attempted[name] = f.read()
             raise Crash(f"crash while writing {name}")
         return real(src, dst, *args, **kwargs)
 
@@ -179,6 +182,8 @@ def search_out(tmp_path_factory):
 def test_search_that_fails_writing_its_report_keeps_the_previous_one(search_out, tmp_path, monkeypatch, name):
     import shutil
 
+    from pockjax import UpdateScheme
+    from pockjax.schemes import save_scheme_file
     from pockjax.search.cli import SearchConfig, run_search
 
     out = tmp_path / "s"
@@ -187,15 +192,21 @@ def test_search_that_fails_writing_its_report_keeps_the_previous_one(search_out,
     stale.write_text('{"half": ')  # a run killed earlier
     before = _snapshot(out)
     del before[stale.name]
-    _crash_at(monkeypatch, name)
+    attempted: dict = {}
+    _crash_at(monkeypatch, name, attempted)
+    # the smallest search (one candidate, wq of the last block, its own reference): it only has to
+    # reach the writes, with a report other than the previous one
+    reference = tmp_path / "reference.json"
+    save_scheme_file(reference, UpdateScheme({"layers.1.attn.wq.kernel": "full"}))
     cfg = SearchConfig(model="tiny", task="uppercase", batch_size=2, train_examples=16, eval_examples=2,
-                       reference_blocks=1, proxy_batches=1, out=str(out), plot=False, progress=False, top=0,
-                       seed=1)
+                       kinds="wq", blocks="1", reference=str(reference), proxy_batches=1, out=str(out),
+                       plot=False, progress=False, top=0, seed=1)
     with pytest.raises(Crash):
         run_search(cfg, log=lambda s: None)
     monkeypatch.undo()
     now = _snapshot(out)
     assert not stale.exists()  # removed at the start of the run
+    assert attempted[name] != before[name]  # the crash was about to replace the previous file
     assert now[name] == before[name]
     json.loads(now["report.json"])  # whole
     _no_temporaries(out)

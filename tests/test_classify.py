@@ -154,13 +154,15 @@ def _cli(*args, timeout=600):
                           text=True, timeout=timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
-def test_cli_refuses_a_task_of_another_kind_and_llama_options():
-    out = _cli("--model", "mobilenetv2", "--task", "tweet_polarity")
-    assert out.returncode == 2 and "unknown vision task 'tweet_polarity'" in out.stderr
-    out = _cli("--model", "all-minilm-l6-v2", "--resume", "--out", "x")
-    assert out.returncode == 2 and "--resume is not available for --model all-minilm-l6-v2" in out.stderr
-    out = _cli("--task", "mnist5k", "--steps", "1")
-    assert out.returncode == 2 and "--task 'mnist5k' is not a LLaMA task" in out.stderr
+def test_cli_refuses_a_task_of_another_kind_and_llama_options(capsys):
+    from pockjax.cli import main as cli_main
+
+    assert cli_main(["finetune", "--model", "mobilenetv2", "--task", "tweet_polarity"]) == 2
+    assert "unknown vision task 'tweet_polarity'" in capsys.readouterr().err
+    assert cli_main(["finetune", "--model", "all-minilm-l6-v2", "--resume", "--out", "x"]) == 2
+    assert "--resume is not available for --model all-minilm-l6-v2" in capsys.readouterr().err
+    assert cli_main(["finetune", "--task", "mnist5k", "--steps", "1"]) == 2
+    assert "--task 'mnist5k' is not a LLaMA task" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

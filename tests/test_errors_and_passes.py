@@ -93,8 +93,8 @@ def test_passes_give_valid_jaxprs_and_are_idempotent():
     stripped = pockjax.strip_tags()(once)
     assert not any(k.startswith("pockjax_") for k in pockjax.count_primitives(stripped))
     args = jax.tree.leaves((params, opt_state, batch))
-    a = C.jaxpr_as_fun(pockjax.strip_tags()(once).closed_jaxpr)(*args)
-    b = C.jaxpr_as_fun(pockjax.strip_tags()(twice).closed_jaxpr)(*args)
+    run_once, run_twice = (C.jaxpr_as_fun(pockjax.strip_tags()(g).closed_jaxpr) for g in (once, twice))
+    a, b = jax.jit(lambda *xs: (run_once(*xs), run_twice(*xs)))(*args)  # one compile, not ~750 eager ops
     for x, y in zip(a, b):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
 
@@ -144,6 +144,31 @@ def test_every_pass_is_a_named_frozen_pass_that_composes(name):
     b = C.jaxpr_as_fun(strip(twice).closed_jaxpr)(*jax.tree.leaves(args))
     for x, y in zip(a, b):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_check_false_builds_the_same_graph_and_only_skips_check_jaxpr(monkeypatch):
+    """``check=False`` (the search's graphs, analysed and never compiled) skips the passes' ``check_jaxpr``."""
+    import importlib
+
+    graph, _ = _mlp_graph()
+    scheme = pockjax.UpdateScheme.full()
+    checked = pockjax.default_passes(scheme)(graph)
+    unchecked = pockjax.default_passes(scheme, check=False)(graph)
+    assert checked.record(pockjax.transforms.FoldDotTransposeRecord).folded > 0  # the fold's check ran
+    assert str(unchecked.jaxpr) == str(checked.jaxpr) and unchecked.history == checked.history
+    # a rewrite that breaks the program: refused with check=True, let through with check=False
+    dce_mod = importlib.import_module("pockjax.transforms.dce")
+    monkeypatch.setitem(dce_mod.DCE_RULES, C.primitives.dot_general_p,
+                        lambda used, eqn: ([True] * len(eqn.invars), None))  # drops a used matmul
+    with pytest.raises(jax.errors.JaxprTypeError, match="not defined"):
+        pockjax.dce()(graph)
+    pockjax.dce(check=False)(graph)
+    monkeypatch.undo()
+    fold_mod = importlib.import_module("pockjax.transforms.fold_dot_transpose")
+    monkeypatch.setattr(fold_mod, "fold_dot_transpose_jaxpr", lambda j: (j.replace(eqns=j.eqns[1:]), 1))
+    with pytest.raises(jax.errors.JaxprTypeError, match="not defined"):
+        pockjax.fold_dot_transpose()(graph)
+    pockjax.fold_dot_transpose(check=False)(graph)
 
 
 def test_chain_refuses_what_is_not_a_pass_and_names_the_fix():

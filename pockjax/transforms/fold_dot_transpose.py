@@ -43,6 +43,7 @@ derivatives) are rewritten too. :func:`pockjax.compile` runs this pass after
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -145,18 +146,26 @@ def fold_dot_transpose_jaxpr(jaxpr: C.Jaxpr) -> tuple[C.Jaxpr, int]:
     return jaxpr.replace(eqns=[e for i, e in enumerate(eqns) if i not in dead]), folded
 
 
-def _fold_graph(graph: TrainGraph) -> TrainGraph:
+def _fold_graph(graph: TrainGraph, check: bool = True) -> TrainGraph:
     new_jaxpr, n = fold_dot_transpose_jaxpr(graph.jaxpr)
-    if n:
+    if n and check:
         C.check_jaxpr(new_jaxpr)
     return graph.recorded(FoldDotTransposeRecord(folded=n),
                           closed_jaxpr=C.ClosedJaxpr(new_jaxpr, graph.closed_jaxpr.consts))
 
 
-def fold_dot_transpose() -> Pass:
+def fold_dot_transpose(*, check: bool = True) -> Pass:
     """The pass that folds ``transpose(dot_general(a, b))`` into ``dot_general(b, a)``.
 
     It records a :class:`FoldDotTransposeRecord` with how many pairs were folded.
+
+    Args:
+      check: type-check the rewritten program with JAX's ``check_jaxpr`` when a
+        pair was folded (the swapped ``dot_general``'s output type must match that of
+        the transpose it replaces). With ``False`` that check is skipped: safe when
+        the graph is only analysed (FLOPs, liveness), not run or compiled, as the
+        architecture search does for each candidate; a graph that will be
+        compiled should be checked.
 
     Example:
         >>> import jax, jax.numpy as jnp, pockjax
@@ -170,4 +179,4 @@ def fold_dot_transpose() -> Pass:
         >>> [e.primitive.name for e in folded.jaxpr.eqns].count("transpose")
         0
     """
-    return Pass("fold_dot_transpose", _fold_graph)
+    return Pass("fold_dot_transpose", _fold_graph if check else functools.partial(_fold_graph, check=False))

@@ -264,20 +264,37 @@ def inplace_update(*, barrier: bool = True) -> Pass:
                 for v in eqns[i].outvars:
                     if not isinstance(v, C.DropVar):
                         defined_at[v] = k
-            b_defined = [(v, k) for v, k in defined_at.items() if producer[v] in b_set]
-            for cut, group in sched["cuts"].items():
+            # backward-side values that cross some cut (defined at k, read after it), in
+            # definition order, with the last position read
+            live = [(v, k, last_b_read[v]) for v, k in defined_at.items()
+                    if producer[v] in b_set and last_b_read.get(v, -1) > k]
+            named = {v: _interp.phase(eqns[producer[v]]) is not Phase.FORWARD for v, _, _ in live}
+            by_end = sorted(live, key=lambda t: t[2])
+            # The values crossing a cut (k <= cut < last read), swept over the cuts in
+            # increasing order: added once defined, dropped once read for the last time.
+            # Dicts keep insertion order, so each cut lists its values in definition order.
+            crossing: dict = {}
+            crossing_named: dict = {}
+            added = dropped = 0
+            for cut in sorted(sched["cuts"]):
                 if cut >= last_b_pos:
                     continue  # nothing of the backward pass is left after it
-                upd = [v for i in group for v in eqns[i].outvars if v in state_out]
+                upd = [v for i in sched["cuts"][cut] for v in eqns[i].outvars if v in state_out]
                 if not upd:
                     continue
-                cross = [
-                    v
-                    for v, k in b_defined
-                    if k <= cut and last_b_read.get(v, -1) > cut and _interp.phase(eqns[producer[v]]) is not Phase.FORWARD
-                ]
-                if not cross:  # no name stacks: carry every crossing value
-                    cross = [v for v, k in b_defined if k <= cut and last_b_read.get(v, -1) > cut]
+                while added < len(live) and live[added][1] <= cut:
+                    v = live[added][0]
+                    crossing[v] = None
+                    if named[v]:
+                        crossing_named[v] = None
+                    added += 1
+                while dropped < len(by_end) and by_end[dropped][2] <= cut:
+                    v = by_end[dropped][0]
+                    crossing.pop(v)
+                    crossing_named.pop(v, None)
+                    dropped += 1
+                # no name stacks: carry every crossing value
+                cross = list(crossing_named or crossing)
                 if cross:
                     barriers[cut] = (upd, cross)
 

@@ -370,6 +370,21 @@ def _bn_bwd(epsilon, res, cts):
 batch_norm_train.defvjp(_bn_fwd, _bn_bwd)
 
 
+def _store(var: nnx.Variable, value: jax.Array) -> None:
+    """``var[...] = value``, without ``Variable.__setitem__``.
+
+    Under a trace ``__setitem__`` asks the traced value for its ``sharding``, and
+    the AttributeError JAX raises renders the whole trace so far: once per write,
+    over a second of lowering MobileNetV2. The value stored is the same: ``value``
+    itself when its dtype and shape match, else cast and broadcast as
+    ``__setitem__`` does.
+    """
+    old = var.get_value()
+    if value.dtype != old.dtype or value.shape != old.shape:
+        value = old.at[...].set(value)
+    var.set_value(value)
+
+
 class BatchNorm(nnx.BatchNorm):
     """``nnx.BatchNorm`` whose train mode updates the running variance as torch does.
 
@@ -394,13 +409,13 @@ class BatchNorm(nnx.BatchNorm):
             y = super().__call__(x, use_running_average=False, **kw)
             if n > 1:
                 biased = (self.var[...] - m * old) / (1.0 - m)  # the batch's (biased) variance
-                self.var[...] = m * old + (1.0 - m) * biased * (n / (n - 1))
+                _store(self.var, m * old + (1.0 - m) * biased * (n / (n - 1)))
             return y
         scale, bias = self.scale[...].astype(x.dtype), self.bias[...].astype(x.dtype)
         y, mean, var = batch_norm_train(x, scale, bias, float(self.epsilon))
         mean, var = lax.stop_gradient(mean), lax.stop_gradient(var)
-        self.mean[...] = m * self.mean[...] + (1.0 - m) * mean
-        self.var[...] = m * self.var[...] + (1.0 - m) * (var * (n / (n - 1)) if n > 1 else var)
+        _store(self.mean, m * self.mean[...] + (1.0 - m) * mean)
+        _store(self.var, m * self.var[...] + (1.0 - m) * (var * (n / (n - 1)) if n > 1 else var))
         return y
 
 
