@@ -51,7 +51,7 @@ finetune: setup
 quickstart: setup
 	$(PY) examples/quickstart.py
 
-# Two workers, one test file each at a time (module fixtures are built once); about 22 minutes
+# Two workers, one test file each at a time (module fixtures are built once); 33 to 40 minutes
 # on 2 cores, with one XLA compilation cache shared by the whole run (tests/conftest.py).
 test: setup system-deps
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not llamacpp"

@@ -7,17 +7,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 
-# Under `pytest -n N`, each worker gets its own share of the CPUs before XLA, Eigen or torch
-# size their thread pools (they read the affinity mask): N workers each running as many threads
-# as the machine has cores would oversubscribe it, and on CI's 2 cores that costs more than it
-# gains. The subprocesses a test starts inherit the worker's share.
-_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-if _worker.startswith("gw") and _workers > 1 and hasattr(os, "sched_setaffinity"):
-    _cpus = sorted(os.sched_getaffinity(0))
-    if len(_cpus) >= _workers:
-        os.sched_setaffinity(0, _cpus[int(_worker[2:]) % _workers :: _workers])
-
 # One XLA (and IREE) compilation cache for the whole test run, shared by the xdist workers and
 # the subprocesses the tests start (they inherit the environment): many tests compile the same
 # tiny-model steps, and on 2 cores compiling is most of the suite's time. The folder is new

@@ -86,9 +86,12 @@ def run_export(args) -> int:
         raise InputError(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not"
                          f" apply to --model {args.model}; leave"
                          f" {'it' if len(unused) == 1 else 'them'} out")
-    gpu = args.target in ("cuda", "vulkan")
+    from pockjax.backends.iree.targets import TARGETS
+
+    gpus = [name for name, (_, _, defaults, _) in TARGETS.items() if "arch" in defaults]  # cuda, vulkan
+    gpu = args.target in gpus
     if args.arch and not gpu:
-        raise InputError(f"--arch names a GPU architecture (--target cuda or vulkan), not a CPU of --target"
+        raise InputError(f"--arch names a GPU architecture (--target {' or '.join(gpus)}), not a CPU of --target"
                          f" {args.target}: name the CPU with --cpu (e.g. --cpu cortex-a76)")
     if args.cpu and gpu:
         raise InputError(f"--cpu names a CPU of --target cpu, arm64 or dsp; --target {args.target} is a GPU:"
