@@ -198,7 +198,7 @@ def test_classifier_options_with_no_effect_are_refused(capsys, argv, message):
     (["plan", "--model", "tiny", "--scheme", "full", "--blocks", "1"], "--scheme full does not use it"),
     (["plan", "--model", "tiny", "--check"], "--check compares the per-device plan with a compile"),
     (["export", "--model", "tiny", "--target", "cpu", "--arch", "sm_80", "--out", "x"], "name the CPU with --cpu"),
-    (["export", "--model", "tiny", "--target", "cuda", "--cpu", "znver3", "--out", "x"], "name its architecture with --arch"),
+    (["export", "--model", "tiny", "--target", "cuda", "--cpu", "znver3", "--out", "x"], "--target cpu, arm64 or dsp; --target cuda is a GPU: name its architecture with --arch"),
     (["plan", "--model", "tiny", "--mesh", "foo=2", "--batch", "2"], "knows the axes data and fsdp, not foo"),
     (["plan", "--model", "tiny", "--mesh", "data=1,model=2"], "not model (tensor parallel"),
     (["memory", "--model", "tiny", "--scheme", "norm-only", "--blocks", "2", "--no-plot"], "does not use it"),

@@ -404,10 +404,14 @@ def test_a_plan_after_another_schemes_equals_the_plan_alone():
     llama_plan._LAST_TRACE.clear()
     alone = summary(plan_llama(cfg, "paper", seq=16))
     llama_plan._LAST_TRACE.clear()
-    full = summary(plan_llama(cfg, "full", seq=16))
+    first = plan_llama(cfg, "full", seq=16)
+    full = summary(first)
+    assert first.seconds["trace"] is not None and first.seconds["trace"] > 0
     assert llama_plan._LAST_TRACE, "the trace was not kept for the next plan"
     kept = llama_plan._LAST_TRACE[0][1]
-    assert summary(plan_llama(cfg, "paper", seq=16)) == alone
+    again = plan_llama(cfg, "paper", seq=16)
+    assert again.seconds["trace"] is None  # said reused, not "traced 0.0 s"
+    assert summary(again) == alone
     assert llama_plan._LAST_TRACE[0][1] is kept  # the same trace served both
     assert summary(plan_llama(cfg, "full", seq=16)) == full
 

@@ -243,6 +243,11 @@ def run_memory(args: argparse.Namespace) -> int:
 # -- pockjax plan --------------------------------------------------------------------
 
 
+def _traced_words(seconds: float | None) -> str:
+    """'traced 4.2 s', or 'trace reused' for a step traced by the plan before."""
+    return "trace reused" if seconds is None else f"traced {seconds:.1f} s"
+
+
 def _trainable_line(desc) -> str:
     """The trained-parameter count, as ``pockjax finetune`` states it (``scheme.describe``)."""
     pct = 100 * desc.trainable / max(desc.total, 1)
@@ -319,7 +324,7 @@ def run_plan(args: argparse.Namespace) -> int:
         except PockjaxError as e:
             return _error("plan", e)
         sec = r.seconds
-        print(f"\n[{scheme.name or name}]  (traced {sec['trace']:.1f} s, passes {sec['passes']:.1f} s,"
+        print(f"\n[{scheme.name or name}]  ({_traced_words(sec['trace'])}, passes {sec['passes']:.1f} s,"
               f" inplace_update {sec['inplace_update']:.1f} s, analysed {sec['analyze']:.1f} s)")
         print(f"  {_trainable_line(r)}")
         print(f"  program order (as traced):  peak {format_bytes(r.program.peak_bytes):>11}"
@@ -380,7 +385,7 @@ def run_plan_precision(args: argparse.Namespace) -> int:
         except PockjaxError as e:
             return _error("plan", e)
         sec = plans[0].seconds
-        print(f"\n[{scheme.name or name}]  (traced {sec['trace']:.1f} s, passes {sec['passes']:.1f} s,"
+        print(f"\n[{scheme.name or name}]  ({_traced_words(sec['trace'])}, passes {sec['passes']:.1f} s,"
               f" inplace_update {sec['inplace_update']:.1f} s, analysed {sum(p.seconds['analyze'] for p in plans):.1f} s"
               f" for {len(plans)} precisions)")
         print(f"  {_trainable_line(plans[0])}")

@@ -159,8 +159,10 @@ class LlamaPlan:
       program: the liveness report of the step after the default passes
         (``sparse_grad``, ``dce``, ...), in the order JAX emits.
       inplace: the same after ``inplace_update`` (each update right after its gradient).
-      graph: the step after the default passes.
-      seconds: ``{"trace", "passes", "inplace_update", "analyze"}``.
+      graph: the step after the default passes (built for analysis: the passes
+        skip their ``check_jaxpr``, as :func:`pockjax.default_passes` says).
+      seconds: ``{"trace", "passes", "inplace_update", "analyze"}`` (``trace`` is None
+        when the step's trace was reused from the plan before).
     """
 
     scheme: Any
@@ -181,19 +183,20 @@ def _trace_once(w: Any, args: tuple, optimizer: Any, dtype: Any) -> Any:
     With the default optimizer the traced step depends only on the model's
     config and the arguments' shapes, not on the scheme (the passes that read
     the scheme come after, and build new graphs): ``plan --scheme both`` and the
-    per-precision plans trace it once.
+    per-precision plans trace it once. Returns ``(traced, reused)``.
     """
     import pockjax
 
     if optimizer is not None:  # any optax object: its code is not known from a key
-        return pockjax.trace_step(w.step, args)
+        return pockjax.trace_step(w.step, args), False
     leaves, tree = jax.tree.flatten(args)
-    key = (repr(w.config), str(jnp.dtype(dtype)), tree, tuple((x.shape, str(x.dtype)) for x in leaves))
+    key = (repr(w.config), str(jnp.dtype(dtype)), tree, tuple((x.shape, str(x.dtype)) for x in leaves),
+           jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision)
     if _LAST_TRACE and _LAST_TRACE[0][0] == key:
-        return _LAST_TRACE[0][1]
+        return _LAST_TRACE[0][1], True
     traced = pockjax.trace_step(w.step, args)
     _LAST_TRACE[:] = [(key, traced)]
-    return traced
+    return traced, False
 
 
 def _traced(config: Any, scheme: Any, *, dtype: Any, batch: int, seq: int, optimizer: Any,
@@ -213,7 +216,7 @@ def _traced(config: Any, scheme: Any, *, dtype: Any, batch: int, seq: int, optim
     # traced against the full optimizer state, as pockjax.compile does; sparse_grad
     # then drops the state of what the scheme freezes
     args = (params, opt_state.full_abstract() if sparse_state else opt_state, batch_)
-    traced = _trace_once(w, args, optimizer, dtype)
+    traced, reused = _trace_once(w, args, optimizer, dtype)
     t1 = time.perf_counter()
     # only analysed, never compiled: the passes skip their check_jaxpr (3 s of a 7B plan)
     passes = pockjax.default_passes(w.scheme, sparse_state, check=False)
@@ -221,7 +224,8 @@ def _traced(config: Any, scheme: Any, *, dtype: Any, batch: int, seq: int, optim
     t2 = time.perf_counter()
     inplace_graph = inplace_update()(graph)
     t3 = time.perf_counter()
-    return w, scheme, desc, graph, inplace_graph, {"trace": t1 - t0, "passes": t2 - t1, "inplace_update": t3 - t2}
+    seconds = {"trace": None if reused else t1 - t0, "passes": t2 - t1, "inplace_update": t3 - t2}
+    return w, scheme, desc, graph, inplace_graph, seconds
 
 
 def plan_llama(config: Any, scheme: Any = "full", *, dtype: Any = jnp.float32, batch: int = 1,
@@ -358,7 +362,7 @@ class PrecisionPlan:
       program, inplace: liveness reports (program order; after ``inplace_update``),
         the parameters counted at the bytes they are held in.
       seconds: ``{"trace", "passes", "inplace_update", "analyze"}`` (the trace is
-        shared by every combination planned together).
+        shared by every combination planned together; None when reused from the plan before).
     """
 
     dtype: str

@@ -143,16 +143,19 @@ class StepGraph:
     def param_count(self, unit: Unit) -> int:
         return int(np.prod(self._shapes[unit.path]))
 
-    def graph(self, units: Iterable[Unit]):
-        """The pruned :class:`~pockjax.graph.TrainGraph` for ``units``."""
+    def graph(self, units: Iterable[Unit], *, check: bool = True):
+        """The pruned :class:`~pockjax.graph.TrainGraph` for ``units``.
+
+        ``check=False`` skips the passes' ``check_jaxpr`` (see
+        :func:`pockjax.default_passes`): :meth:`evaluate` only analyses the graph.
+        """
         from pockjax.compiler import default_passes
         from pockjax.transforms.strip_tags import strip_tags
 
         units = list(units)
         scheme = scheme_for(units)
-        # no units: the baseline step that trains nothing, on purpose; only analysed, never
-        # compiled, so the passes skip their check_jaxpr (a third of calibrate's time)
-        passes = default_passes(scheme, sparse_opt_state=True, allow_nothing_trained=not units, check=False)
+        # no units: the baseline step that trains nothing, on purpose
+        passes = default_passes(scheme, sparse_opt_state=True, allow_nothing_trained=not units, check=check)
         return strip_tags()(passes(self.traced))
 
     def evaluate(self, units: Iterable[Unit]) -> Exact:
@@ -163,7 +166,7 @@ class StepGraph:
         if key in self._cache:
             return self._cache[key]
         t = time.perf_counter()
-        g = self.graph(key)
+        g = self.graph(key, check=False)  # only analysed, never compiled (a third of calibrate's time)
         flops = float(pockjax.count_flops(g.closed_jaxpr))
         index = {v: i for i, v in enumerate(g.jaxpr.invars)}
         forwarded = {index[v] for v in g.jaxpr.outvars if not hasattr(v, "val") and v in index}

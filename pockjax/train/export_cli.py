@@ -94,7 +94,9 @@ def run_export(args) -> int:
         raise InputError(f"--arch names a GPU architecture (--target {' or '.join(gpus)}), not a CPU of --target"
                          f" {args.target}: name the CPU with --cpu (e.g. --cpu cortex-a76)")
     if args.cpu and gpu:
-        raise InputError(f"--cpu names a CPU of --target cpu, arm64 or dsp; --target {args.target} is a GPU:"
+        cpus = [name for name in TARGETS if name not in gpus]
+        raise InputError(f"--cpu names a CPU of --target {', '.join(cpus[:-1])} or {cpus[-1]};"
+                         f" --target {args.target} is a GPU:"
                          f" name its architecture with --arch (e.g. --arch sm_80)")
     if args.dtype == "bf16" and args.target == "vulkan":
         raise InputError("--dtype bf16 does not compile for vulkan (IREE's vulkan-spirv has"
