@@ -66,7 +66,7 @@ def test_padding_does_not_change_the_loss(tok):
     graphdef, params = llama.split(llama.Llama(TINY, rngs=nnx.Rngs(0)))
     b = Batcher(tok, make_examples("uppercase", 8, seed=0), batch_size=4, seed=0)
     rows = [b.rows[i] for i in b.indices(0)]
-    longest = max(len(ids) for ids, _ in rows)
+    longest = max(len(ids) for ids, *_ in rows)
 
     @jax.jit
     def loss(p, batch):

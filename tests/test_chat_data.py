@@ -1,4 +1,5 @@
-"""Chat-format JSONL ({"messages": [...]}): the last assistant reply is the answer, earlier turns its context."""
+"""Chat-format JSONL ({"messages": [...]}): the last assistant reply is the answer, earlier turns its
+context; every assistant reply is trained on."""
 
 import json
 
@@ -33,13 +34,90 @@ def test_chat_and_alpaca_records_mix(tmp_path):
     assert alpaca.context == () and alpaca.answer == "5"
 
 
-def test_only_the_last_reply_is_trained(tmp_path):
+def _trained(tok, batch, row=0):
+    """The trained target tokens of a row, as runs of consecutive positions, decoded."""
+    runs, last = [], None
+    for t, (target, m) in enumerate(zip(batch["targets"][row], batch["loss_mask"][row])):
+        if m:
+            if last != t - 1:
+                runs.append([])
+            runs[-1].append(int(target))
+            last = t
+    return [tok.decode(r) for r in runs]
+
+
+def test_every_assistant_reply_is_trained_and_nothing_else(tmp_path):
+    # only the last reply was trained: a conversation's earlier replies taught the model nothing
     tok = llama.Tokenizer.byte_level_for_tests()
     (ex,) = load_alpaca_jsonl(_write(tmp_path / "d.jsonl", [CHAT]))
-    b = Batcher(tok, [ex], batch_size=1, seed=0).batch(0)
-    answer_ids = [int(t) for t, m in zip(b["targets"][0], b["loss_mask"][0]) if m]
-    assert tok.decode(answer_ids, skip_special_tokens=True).strip() == "b a"
-    assert "Hello." in tok.decode([int(t) for t in b["tokens"][0]])  # the earlier reply is context
+    b = Batcher(tok, [ex], batch_size=1, seed=0)
+    batch = b.batch(0)
+    assert _trained(tok, batch) == ["Hello.<|im_end|>", "b a<|im_end|>"]  # not the system or user turns
+    assert int(batch["loss_start"][0]) == b.rows[0][2][0][0] - 1
+    # the ids are those the prompt is generated from: the whole conversation as the template renders it
+    assert b.rows[0][0][:b.rows[0][1]] == tok.apply_chat_template(ex.messages(), add_generation_prompt=True)
+    # the answer window reaches from the first reply to the answer's end, so the windowed loss
+    # reads every trained position
+    import jax.numpy as jnp
+    from pockjax.models.llama.model import answer_window
+    _, mask = answer_window({k: jnp.asarray(v) for k, v in batch.items()}, b.answer_window)
+    assert float(mask.sum()) == float(batch["loss_mask"].sum()) == len("Hello.") + len("b a") + 2
+    assert b.stats()["answer_tokens"] == len("Hello.") + len("b a") + 2
+    # a single-turn record: the answer alone, as before
+    (single,) = load_alpaca_jsonl(_write(tmp_path / "s.jsonl", [{"instruction": "Hi", "output": "yo"}]))
+    assert _trained(tok, Batcher(tok, [single], batch_size=1, seed=0).batch(0)) == ["yo<|im_end|>"]
+
+
+def test_replies_last_trains_only_the_last_reply():
+    tok = llama.Tokenizer.byte_level_for_tests()
+    from pockjax.data import Example
+
+    ex = Example("Reverse: a b", "b a", context=tuple((m["role"], m["content"]) for m in CHAT["messages"][:3]))
+    assert _trained(tok, Batcher(tok, [ex], batch_size=1, seed=0, replies="last").batch(0)) == ["b a<|im_end|>"]
+    assert _trained(tok, Batcher(tok, [ex], batch_size=1, seed=0).batch(0)) == ["Hello.<|im_end|>", "b a<|im_end|>"]
+    with pytest.raises(ValueError, match="replies must be one of 'all', 'last', got 'first'"):
+        Batcher(tok, [ex], batch_size=1, seed=0, replies="first")
+
+
+@pytest.mark.parametrize("replies", ["all", "last"])
+def test_a_conversation_that_continues_a_held_out_one_is_not_trained_on(tmp_path, replies):
+    # with every reply trained, a record continuing a held-out conversation trained its held-out
+    # answer verbatim (prompt, answer and end of turn): exact match then measured memory
+    from pockjax.train.finetune import FinetuneConfig, _examples
+
+    first = {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}
+    longer = {"messages": first["messages"] + [{"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]}
+    other = [{"instruction": f"P{i}", "output": f"R{i}"} for i in range(4)]
+    for seed in range(20):  # a seed whose held-out record is `first`
+        cfg = FinetuneConfig(data=str(_write(tmp_path / "d.jsonl", [first, longer, *other])), eval_examples=1,
+                             seed=seed, train_replies=replies)
+        train, held, _ = _examples(cfg)
+        if held[0].prompt == "Q":
+            break
+    assert held[0].prompt == "Q"
+    continued = [ex for ex in train if ex.prompt == "Q2"]
+    # trained as context only (replies="last"), the continuation stays
+    assert len(continued) == (0 if replies == "all" else 1) and len(train) == (4 if replies == "all" else 5)
+
+
+def test_a_template_that_renders_an_earlier_reply_elsewhere_is_refused():
+    # a template that drops earlier replies (as reasoning templates drop their thoughts) leaves
+    # nothing to find: refused, naming the example, not trained on the wrong tokens
+    from pockjax.data import Example
+
+    class Dropping(llama.Tokenizer):
+        def render_chat(self, messages, add_generation_prompt=True):
+            kept = [m for m in messages[:-1] if m["role"] != "assistant"] + list(messages[-1:])
+            return super().render_chat(kept, add_generation_prompt)
+
+    base = llama.Tokenizer.byte_level_for_tests()
+    tok = Dropping(base.backend, bos_id=base.bos_id, eos_id=base.eos_id, pad_id=base.pad_id,
+                   chat_template=base.chat_template, add_bos=base.add_bos)
+    ex = Example("And?", "b", context=(("user", "Hi"), ("assistant", "a")))
+    with pytest.raises(DataError, match="example 'And\\?': its assistant turn 1 of the context is not where the"
+                                        " conversation before it.*Train only the last reply of each conversation \\(Batcher\\(replies='last'\\),"
+                                        " finetune --train-replies last\\)"):
+        Batcher(tok, [ex], batch_size=1, seed=0)
 
 
 @pytest.mark.parametrize("record, message", [
@@ -119,3 +197,23 @@ def test_chat_examples_round_trip_through_save(tmp_path):
     assert load_alpaca_jsonl(tmp_path / "out.jsonl") == exs
     with pytest.raises(DataError, match="instruction= applies to single-turn examples"):
         save_alpaca_jsonl(tmp_path / "x.jsonl", exs, instruction="Answer.")
+
+
+def test_finetune_trains_every_reply_of_chat_records(tmp_path):
+    # end to end: conversations of two replies train (their held-out loss too) and the run records
+    # what it trained; the first reply's loss positions reach the compiled step's answer window
+    import math
+
+    from pockjax.train import finetune
+    from test_finetune import cfg, tiny_model
+
+    tok = llama.Tokenizer.byte_level_for_tests()
+    records = [{"messages": [{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": f"{i}"},
+                             {"role": "user", "content": "Again."}, {"role": "assistant", "content": f"{i} {i}"}]}
+               for i in range(8)]
+    out = tmp_path / "run"
+    res = finetune(cfg(data=str(_write(tmp_path / "d.jsonl", records)), steps=2, save_every=0, eval_every=2,
+                       out=str(out), show=0), model=tiny_model(), tokenizer=tok, log=lambda s: None)
+    assert len(res.metrics["losses"]) == 2 and all(map(math.isfinite, res.metrics["losses"]))
+    assert [s for s, _ in res.metrics["val_losses"]] == [2] and math.isfinite(res.metrics["val_losses"][0][1])
+    assert json.loads((out / "run.json").read_text())["config"]["train_replies"] == "all"

@@ -193,6 +193,8 @@ def test_classifier_options_with_no_effect_are_refused(capsys, argv, message):
     (["generate", "--prompt", " "], "--prompt is empty"),
     (["finetune", "--eval-examples", "0", "--fail-below", "0.5"], "--fail-below gates on the held-out accuracy"),
     (["finetune", "--eval-examples", "0", "--show", "3"], "--show prints held-out answers"),
+    (["finetune", "--train-replies", "last"], "--train-replies chooses what is trained of the chat records of --data"),
+    (["finetune", "--model", "mobilenetv2", "--train-replies", "all"], "a built-in task has none"),
     (["finetune", "--save-every", "5"], "--save-every saves to --out: give --out"),
     (["finetune", "--out", ""], "--out is empty"),
     (["plan", "--model", "tiny", "--scheme", "full", "--blocks", "1"], "--scheme full does not use it"),

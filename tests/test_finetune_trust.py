@@ -259,6 +259,20 @@ def test_a_run_saved_with_more_blocks_than_the_model_resumes_with_them_capped(ru
         _resume_config(cfg(out=run4, resume=True, blocks=1), run4, run, given={"blocks"})
 
 
+def test_a_run_saved_before_every_reply_was_trained_resumes_training_the_last(run4):
+    # run.json without train_replies: the run trained only each conversation's last reply, and
+    # continues so (not silently on another objective); a run.json with it keeps its own
+    from pockjax.train.finetune import _resume_config
+
+    run = json.load(open(os.path.join(run4, "run.json")))
+    assert run["config"]["train_replies"] == "all"
+    assert _resume_config(cfg(out=run4, resume=True), run4, run, given=set()).train_replies == "all"
+    del run["config"]["train_replies"]
+    assert _resume_config(cfg(out=run4, resume=True), run4, run, given=set()).train_replies == "last"
+    with pytest.raises(FinetuneError, match="--train-replies: the run has 'last', given 'all'"):
+        _resume_config(cfg(out=run4, resume=True), run4, run, given={"train_replies"})
+
+
 def test_run_json_records_the_configuration(run4):
     run = json.load(open(os.path.join(run4, "run.json")))
     assert run["config"]["batch_size"] == 2 and run["config"]["blocks"] == 1

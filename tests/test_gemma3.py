@@ -378,7 +378,7 @@ def test_gemma3_tokenizer_writes_back_the_shipped_gguf_metadata(gemma_tokenizer,
 
 
 def test_gemma3_chat_template_and_end_of_turn(gemma_tokenizer):
-    from pockjax.data.batching import encode_example, end_of_turn_id
+    from pockjax.data.batching import encode_example, encode_turns, end_of_turn_id
     from pockjax.data.tasks import Example
 
     tok = gemma_tokenizer
@@ -389,6 +389,9 @@ def test_gemma3_chat_template_and_end_of_turn(gemma_tokenizer):
     assert end_of_turn_id(tok) == 106
     ids, n_prompt = encode_example(tok, Example("Hi", "Hello"))
     assert tok.decode(ids[n_prompt:]) == "Hello<end_of_turn>"
+    # an earlier reply of a conversation is trained too: found in Gemma's rendering (which trims it)
+    ids, n_prompt, spans = encode_turns(tok, Example("And?", "b", context=(("user", "Hi"), ("assistant", " Yo\n"))))
+    assert [tok.decode(ids[s:e]) for s, e in spans] == ["Yo<end_of_turn>"] and tok.decode(ids[n_prompt:]) == "b<end_of_turn>"
 
 
 # -- the real Gemma 3 270M ---------------------------------------------------------------------

@@ -82,6 +82,21 @@ def test_training_prompt_tokens_equal_generation_prompt(tok):
     assert tok.encode(tok.decode(ids)) == ids
 
 
+def test_earlier_replies_of_a_conversation_are_found_in_smollm2_tokens(tok):
+    from pockjax.data import DataError, Example, encode_turns
+
+    ex = Example("And?", "b a", context=(("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello there."),
+                                          ("user", "More"), ("assistant", "x\ny")))
+    ids, n_prompt, spans = encode_turns(tok, ex)
+    assert ids[:n_prompt] == tok.apply_chat_template(ex.messages())  # the ids generation sees, unchanged
+    assert [tok.decode(ids[s:e]) for s, e in spans] == ["Hello there.<|im_end|>", "x\ny<|im_end|>"]
+    # a reply starting with whitespace: BPE reads the header's newline and its spaces as one token,
+    # so the reply has no tokens of its own in the conversation; refused, saying why
+    ex = Example("And?", "b a", context=(("user", "Hi"), ("assistant", "  indented")))
+    with pytest.raises(DataError, match="assistant turn 1 of the context merges into its header's last token"):
+        encode_turns(tok, ex)
+
+
 def test_render_chatml_generation_prompt():
     text = render_chatml([{"role": "user", "content": "x"}], add_generation_prompt=False)
     assert text == "<|im_start|>user\nx<|im_end|>\n"

@@ -12,6 +12,7 @@ from pockjax.data.batching import (
     SequenceLengthError,
     collate,
     encode_example,
+    encode_turns,
     end_of_turn_id,
     refuse_control_text,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "alpaca_prompt",
     "collate",
     "encode_example",
+    "encode_turns",
     "refuse_control_text",
     "end_of_turn_id",
     "evaluate",

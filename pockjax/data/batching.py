@@ -7,13 +7,16 @@ ending with the assistant header), then the answer, then the end-of-turn token
 * ``tokens``    int32 ``(batch, seq_len)``: the model input;
 * ``targets``   int32 ``(batch, seq_len)``: ``tokens`` shifted left by one
   (position ``t`` predicts ``targets[t]``);
-* ``loss_mask`` float32 ``(batch, seq_len)``: 1 where ``targets[t]`` is an
-  answer token or the end-of-turn token, 0 on the prompt and on padding;
+* ``loss_mask`` float32 ``(batch, seq_len)``: 1 where ``targets[t]`` is a
+  token of an assistant turn (the answer, and in a conversation each earlier
+  reply) or the end-of-turn token closing one; 0 on the rest of the prompt and
+  on padding;
 * ``mask``      int32 ``(batch, seq_len)``: 1 on real tokens, 0 on padding;
-* ``loss_start`` int32 ``(batch,)``: first position where ``loss_mask`` is 1.
+* ``loss_start`` int32 ``(batch,)``: first position where ``loss_mask`` is 1
+  (for a padding row, ``n_prompt - 1`` all the same).
   With :attr:`Batcher.answer_window` it lets
-  :func:`pockjax.models.llama.answer_loss` compute logits only on the answer
-  (several times cheaper for a 49k vocabulary than logits everywhere).
+  :func:`pockjax.models.llama.answer_loss` compute logits only on the trained
+  positions (several times cheaper for a 49k vocabulary than logits everywhere).
 
 Right padding needs no attention mask for the real tokens (causal attention
 never looks ahead), so ``model(batch["tokens"])`` and
@@ -32,8 +35,11 @@ import numpy as np
 
 from pockjax.data.tasks import Example
 
-__all__ = ["BUCKETS", "Batcher", "SequenceLengthError", "choose_buckets", "collate", "encode_example",
-           "end_of_turn_id", "refuse_control_text"]
+__all__ = ["BUCKETS", "REPLIES", "Batcher", "SequenceLengthError", "choose_buckets", "collate", "encode_example",
+           "encode_turns", "end_of_turn_id", "refuse_control_text"]
+
+#: What :class:`Batcher` trains of a conversation: every assistant reply, or the last.
+REPLIES = ("all", "last")
 
 #: At most this many row lengths with ``Batcher(bucket_limit=...)``: the
 #: train step compiles once per length.
@@ -164,12 +170,75 @@ def encode_example(tokenizer: Any, example: Example, system: str | None = None
     return list(prompt) + list(answer) + [end_of_turn_id(tokenizer)], len(prompt)
 
 
+def encode_turns(tokenizer: Any, example: Example, system: str | None = None
+                 ) -> tuple[list[int], int, tuple[tuple[int, int], ...]]:
+    """:func:`encode_example`, and where the earlier assistant replies of a conversation lie in it.
+
+    Every assistant turn is trained, as TRL's ``assistant_only_loss`` and torchtune
+    train a conversation: the answer (the ids from ``n_prompt`` on) and each earlier
+    reply of ``example.context``, from the first token after its turn header
+    through the end-of-turn token that closes it. The ids are those of
+    :func:`encode_example`, unchanged: an earlier reply is found as the
+    conversation before it, rendered with the generation prompt (its header),
+    which must be a token prefix of the whole, followed by an end-of-turn token.
+
+    Returns:
+      ``(ids, n_prompt, spans)``: ``spans`` holds ``(start, end)`` per earlier
+      reply, ``ids[start:end]`` its tokens and its end-of-turn token (empty for
+      a single-turn example).
+
+    Raises:
+      DataError: the chat template renders an earlier reply differently in the
+        whole conversation (its header is not a token prefix of it), or closes
+        it without the end-of-turn token.
+
+    Example:
+      >>> from pockjax.models.llama import Tokenizer
+      >>> tok = Tokenizer.byte_level_for_tests()
+      >>> ids, n_prompt, spans = encode_turns(tok, Example("And?", "b", context=(("user", "Hi"), ("assistant", "a"))))
+      >>> [tok.decode(ids[s:e]) for s, e in spans], tok.decode(ids[n_prompt:])
+      (['a<|im_end|>'], 'b<|im_end|>')
+    """
+    from pockjax.errors import DataError
+
+    ids, n_prompt = encode_example(tokenizer, example, system)
+    messages = example.messages(system)
+    eot = end_of_turn_id(tokenizer)
+    spans, done = [], 0
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        head = list(tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True))
+        start = len(head)
+        end = next((i for i in range(start, n_prompt) if ids[i] == eot), None)
+        if start <= done or ids[:start] != head or end is None:
+            turn = sum(x["role"] == "assistant" for x in messages[:k]) + 1
+            if start > done and ids[:start] == head:
+                why = f"is not closed by the end-of-turn token {tokenizer.decode([eot])!r}"
+            elif tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False).startswith(
+                    tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=False)):
+                why = ("merges into its header's last token (the tokenizer reads the header's end and the reply's"
+                       " start, whitespace most often, as one token)")
+            else:
+                why = ("is not where the conversation before it, rendered with the assistant header, ends (this"
+                       " chat template renders earlier turns otherwise)")
+            raise DataError(
+                f"example {example.prompt[:40]!r}{'...' if len(example.prompt) > 40 else ''}: its assistant"
+                f" turn {turn} of the context {why}, so its tokens cannot be found to train on. Train only"
+                f" the last reply of each conversation (Batcher(replies='last'), finetune --train-replies"
+                f" last), or rewrite the turn")
+        spans.append((start, end + 1))
+        done = end + 1
+    return ids, n_prompt, tuple(spans)
+
+
 def collate(rows: Sequence[tuple[Sequence[int], int]], seq_len: int, pad_id: int
             ) -> dict[str, np.ndarray]:
     """Pads encoded rows into a batch dict (see the module docstring).
 
     Args:
-      rows: ``(ids, n_prompt)`` pairs from :func:`encode_example`.
+      rows: ``(ids, n_prompt)`` pairs from :func:`encode_example`, or
+        ``(ids, n_prompt, spans)`` from :func:`encode_turns` (the spans trained too).
       seq_len: Row length; every ``ids`` must fit.
       pad_id: Padding id.
 
@@ -189,7 +258,9 @@ def collate(rows: Sequence[tuple[Sequence[int], int]], seq_len: int, pad_id: int
     loss_mask = np.zeros((n, seq_len), np.float32)
     mask = np.zeros((n, seq_len), np.int32)
     loss_start = np.zeros((n,), np.int32)
-    for i, (ids, n_prompt) in enumerate(rows):
+    for i, row in enumerate(rows):
+        ids, n_prompt = row[0], row[1]
+        spans = row[2] if len(row) > 2 else ()
         length = len(ids)
         if length > seq_len:
             raise SequenceLengthError(f"row {i} has {length} tokens, more than seq_len={seq_len}")
@@ -197,8 +268,10 @@ def collate(rows: Sequence[tuple[Sequence[int], int]], seq_len: int, pad_id: int
         targets[i, :length - 1] = ids[1:]
         # targets[t] = ids[t + 1] is an answer token when t + 1 >= n_prompt.
         loss_mask[i, max(n_prompt - 1, 0):length - 1] = 1.0
+        for start, end in spans:  # earlier replies: ids[start:end] predicted from start - 1 on
+            loss_mask[i, start - 1:end - 1] = 1.0
         mask[i, :length] = 1
-        loss_start[i] = min(max(n_prompt - 1, 0), seq_len - 1)
+        loss_start[i] = min(max((spans[0][0] if spans else n_prompt) - 1, 0), seq_len - 1)
     return {"tokens": tokens, "targets": targets, "loss_mask": loss_mask, "mask": mask,
             "loss_start": loss_start}
 
@@ -223,6 +296,9 @@ class Batcher:
         its longest example (:func:`choose_buckets`), the longest being at
         most ``bucket_limit``; an example longer than ``bucket_limit`` is an
         error.
+      replies: ``"all"`` trains every assistant reply of a conversation
+        (:func:`encode_turns`), ``"last"`` only its last (the answer; the
+        earlier turns are context).
 
     Attributes:
       seq_len: Row length of every batch (with ``bucket_limit``: the longest bucket).
@@ -252,7 +328,8 @@ class Batcher:
 
     def __init__(self, tokenizer: Any, examples: Sequence[Example], *, batch_size: int,
                  seq_len: int | None = None, seed: int = 0, max_seq_len: int | None = None,
-                 system: str | None = None, truncate: bool = False, bucket_limit: int | None = None):
+                 system: str | None = None, truncate: bool = False, bucket_limit: int | None = None,
+                 replies: str = "all"):
         if not examples:
             raise ValueError("no training examples")
         if batch_size < 1:
@@ -262,8 +339,11 @@ class Batcher:
         self.seed = seed
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
         refuse_control_text(tokenizer, self.examples, system)
-        self.rows = [encode_example(tokenizer, ex, system) for ex in self.examples]
-        self.longest = max(len(ids) for ids, _ in self.rows)
+        if replies not in REPLIES:
+            raise ValueError(f"replies must be one of {', '.join(map(repr, REPLIES))}, got {replies!r}")
+        self.rows = [encode_turns(tokenizer, ex, system) if replies == "all" else (*encode_example(tokenizer, ex, system), ())
+                     for ex in self.examples]
+        self.longest = max(len(ids) for ids, *_ in self.rows)
         self.buckets = None
         if bucket_limit is not None:
             if seq_len is not None or truncate:
@@ -272,7 +352,7 @@ class Batcher:
             if bucket_limit < 1 or (max_seq_len is not None and bucket_limit > max_seq_len):
                 raise SequenceLengthError(f"--max-seq-len {bucket_limit} must be between 1 and the"
                                           f" model's context of {max_seq_len} tokens")
-            too_long = [(i, len(ids)) for i, (ids, _) in enumerate(self.rows) if len(ids) > bucket_limit]
+            too_long = [(i, len(ids)) for i, (ids, *_) in enumerate(self.rows) if len(ids) > bucket_limit]
             if too_long:
                 i, n = max(too_long, key=lambda x: x[1])
                 prompt = self.examples[i].prompt
@@ -294,7 +374,7 @@ class Batcher:
                 f"sequence length {seq_len} exceeds the model's context of {max_seq_len}"
                 f" tokens" + (f" (the longest example needs {self.longest})"
                               if self.longest > max_seq_len else ""))
-        too_long = [(i, len(ids)) for i, (ids, _) in enumerate(self.rows) if len(ids) > seq_len]
+        too_long = [(i, len(ids)) for i, (ids, *_) in enumerate(self.rows) if len(ids) > seq_len]
         if too_long and not truncate:
             i, n = max(too_long, key=lambda x: x[1])
             raise SequenceLengthError(
@@ -302,7 +382,7 @@ class Batcher:
                 f" {i} ({self.examples[i].prompt[:40]!r}), needs {n} tokens (prompt {self.rows[i][1]}): raise seq_len"
                 f" to at least {n} or pass truncate=True")
         if truncate:
-            cut = [i for i, (ids, n_prompt) in enumerate(self.rows) if n_prompt >= seq_len]
+            cut = [i for i, (ids, n_prompt, _) in enumerate(self.rows) if n_prompt >= seq_len]
             if cut:  # a row with no answer left counts nowhere: its example would vanish from the loss
                 prompt = self.examples[cut[0]].prompt
                 raise SequenceLengthError(
@@ -310,11 +390,14 @@ class Batcher:
                     f" seq_len={seq_len}, nothing of their answers would be left (the first:"
                     f" {prompt[:40]!r}{'...' if len(prompt) > 40 else ''}, prompt {self.rows[cut[0]][1]}"
                     f" tokens); raise seq_len or leave them out")
-            self.rows = [(ids[:seq_len], min(n_prompt, seq_len)) for ids, n_prompt in self.rows]
+            # the earlier replies lie in the prompt, which fits
+            self.rows = [(ids[:seq_len], min(n_prompt, seq_len), spans) for ids, n_prompt, spans in self.rows]
         self.seq_len = seq_len
         self.buckets = self.buckets or (seq_len,)
-        # Loss positions per row: answer tokens + end-of-turn, rounded up to 8.
-        most = max(min(len(ids), seq_len) - min(n, seq_len) + 1 for ids, n in self.rows)
+        # Loss positions per row: from the first trained token (the answer's, or an earlier
+        # reply's) to the answer's end-of-turn, rounded up to 8.
+        most = max(min(len(ids), seq_len) - min(spans[0][0] if spans else n, seq_len) + 1
+                   for ids, n, spans in self.rows)
         self.answer_window = min(-(-most // 8) * 8, seq_len)
 
     def __len__(self) -> int:
@@ -352,7 +435,7 @@ class Batcher:
           ['loss_mask', 'loss_start', 'mask', 'targets', 'tokens']
         """
         rows = [self.rows[i] for i in self.indices(step)]
-        longest = max(len(ids) for ids, _ in rows)
+        longest = max(len(ids) for ids, *_ in rows)
         return collate(rows, next(n for n in self.buckets if n >= longest), self.pad_id)
 
     def placeholder(self, length: int) -> dict[str, np.ndarray]:
@@ -374,7 +457,8 @@ class Batcher:
             step += 1
 
     def stats(self) -> dict[str, float]:
-        """Token counts: mean row length, mean answer tokens, padding fraction.
+        """Token counts: mean row length, mean trained tokens (``answer_tokens``: the
+        answer's and earlier replies'), padding fraction.
 
         Example:
           >>> from pockjax.models.llama import Tokenizer
@@ -382,8 +466,8 @@ class Batcher:
           >>> b.stats()["answer_tokens"]
           3.0
         """
-        lengths = np.array([len(ids) for ids, _ in self.rows])
-        answers = np.array([len(ids) - n for ids, n in self.rows])
+        lengths = np.array([len(ids) for ids, *_ in self.rows])
+        answers = np.array([len(ids) - n + sum(e - s for s, e in spans) for ids, n, spans in self.rows])
         return {"examples": float(len(self.rows)), "mean_length": float(lengths.mean()),
                 "max_length": float(lengths.max()), "answer_tokens": float(answers.mean()),
                 "padding_fraction": float(1 - lengths.mean() / self.seq_len)}

@@ -12,8 +12,10 @@ prompt), or a conversation in the chat format of OpenAI, mlx-lm and TRL::
                   {"role": "assistant", "content": "sat cat the"}]}
 
 which ends with an assistant message after a user message: that last reply is
-the answer trained on (and held out), the earlier turns are its context (not
-trained on). After an optional first system message, the turns alternate user,
+the answer (held out, and compared in exact match), the earlier turns are its
+context. Every assistant reply is trained on, the earlier ones too
+(:func:`pockjax.data.encode_turns`); the system and user turns are not.
+After an optional first system message, the turns alternate user,
 assistant, user, ..., none empty. The formats may mix in one file. Text is taken
 as written (an answer's leading indentation, a trailing newline): nothing is
 stripped. A bad line stops loading with an error that names the file and line

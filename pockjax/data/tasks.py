@@ -63,7 +63,8 @@ class Example:
     prompt: str
     answer: str
     task: str = ""
-    #: Earlier turns of a conversation, ``((role, content), ...)``: context, not trained.
+    #: Earlier turns of a conversation, ``((role, content), ...)``: context; its assistant
+    #: replies are trained too (:func:`pockjax.data.encode_turns`).
     context: tuple = ()
 
     def messages(self, system: str | None = None, with_answer: bool = False) -> list[dict]:

@@ -75,6 +75,9 @@ def run_finetune(args: argparse.Namespace) -> int:
         request_host_devices(mesh)
     # Before JAX's first computation: each step reuses its working memory.
     pockjax.keep_step_memory(quiet=True)
+    if "train_replies" in given_options(args) and not args.data and not args.resume:
+        return _error("finetune", ValueError("--train-replies chooses what is trained of the chat records of --data;"
+                                             " a built-in task has none (give --data, or leave it out)"))
     if args.model in CLASSIFIERS:
         if mesh:
             return _error("finetune", ValueError("--mesh and --devices train the LLaMA models; the classifiers"
@@ -121,7 +124,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     fields = {k: getattr(args, k) for k in (
         "model", "task", "data", "scheme", "blocks", "optimizer", "lr", "steps", "batch_size",
         "seq_len", "seed", "eval_examples", "save_every", "out", "resume", "show", "dtype", "quantize",
-        "schedule", "warmup", "grad_clip", "eval_every", "grad_accum", "max_seq_len")}
+        "schedule", "warmup", "grad_clip", "eval_every", "grad_accum", "max_seq_len", "train_replies")}
     fields["mesh"] = mesh
     if {"mesh", "devices"} & given:  # --devices N is --mesh data=N: either one replaces the run's mesh
         given.add("mesh")
@@ -174,6 +177,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def register(subparsers) -> None:
     """Adds ``finetune`` and ``generate`` to the ``pockjax`` command."""
     from pockjax.data import TASKS
+    from pockjax.data.batching import REPLIES
     from pockjax.data.text_classification import TEXT_TASKS
     from pockjax.data.vision import VISION_TASKS
     from pockjax.train.classify import CLASSIFIERS
@@ -200,7 +204,10 @@ def register(subparsers) -> None:
                             f"{s.name} {s.default_task}" for s in CLASSIFIERS.values()) + ")")
     p.add_argument("--data", default=None, metavar="FILE.jsonl", action=StoreGiven,
                    help="JSONL of Alpaca records (instruction, input, output) or chat records ({\"messages\": [...]},"
-                        " trained on the last assistant reply) instead of --task")
+                        " every assistant reply trained on, the last held out; see --train-replies) instead of --task")
+    p.add_argument("--train-replies", default=_D.train_replies, choices=REPLIES, action=StoreGiven,
+                   help="what is trained of a chat record: every assistant reply, or only the last (the"
+                        " earlier turns then context)")
     p.add_argument("--scheme", default=_D.scheme, metavar="|".join(SCHEMES) + "|FILE",
                    action=StoreGiven,
                    help="update scheme, or a JSON scheme file (UpdateScheme.to_dict)")
@@ -220,7 +227,7 @@ def register(subparsers) -> None:
                    help="rows per step (per micro-batch with --grad-accum)")
     p.add_argument("--grad-accum", type=positive_int, default=_D.grad_accum, action=StoreGiven, metavar="K",
                    help="gradient accumulation: each of --steps updates once on K micro-batches of --batch-size"
-                        " rows (the loss averaged over all their answer tokens), run one after another inside"
+                        " rows (the loss averaged over all their trained (answer) tokens), run one after another inside"
                         " the compiled step: a K x larger batch with the activation memory of one")
     p.add_argument("--seq-len", type=positive_int, default=None, action=StoreGiven,
                    help="row length (default: the longest example, rounded up to 16)")

@@ -58,7 +58,7 @@ import optax
 
 import pockjax
 from pockjax.data import Batcher, DataError, evaluate_model, load_alpaca_jsonl, refuse_control_text, train_eval_split
-from pockjax.data.batching import SequenceLengthError
+from pockjax.data.batching import REPLIES, SequenceLengthError
 from pockjax.io.atomic import atomic_directory, file_above, pid_alive, remove_stale_temporaries, write_json
 from pockjax.io.jsonfile import read_json_object
 from pockjax import quant
@@ -105,7 +105,7 @@ WEIGHT_GROWTH_LIMIT = 1000.0
 #: ``mesh`` (the saved state is whole, so a run may continue on other devices).
 RESULT_FIELDS = ("model", "task", "data", "scheme", "blocks", "optimizer", "lr", "batch_size",
                  "seq_len", "seed", "train_examples", "eval_examples", "dtype", "quantize",
-                 "schedule", "warmup", "grad_clip", "grad_accum", "max_seq_len")
+                 "schedule", "warmup", "grad_clip", "grad_accum", "max_seq_len", "train_replies")
 
 # The default run's goal (see the closing summary).
 GOAL_ACCURACY = 0.8
@@ -123,8 +123,11 @@ class FinetuneConfig:
     Attributes:
       model: ``"smollm2-135m"``, a ``.gguf`` file, or a Hugging Face directory.
       task: A built-in task (``pockjax.data.TASKS``); ignored when ``data`` is set.
-      data: An Alpaca-format JSONL file (its last ``eval_examples`` records, after a
+      data: An Alpaca-format or chat JSONL file (its last ``eval_examples`` records, after a
         seeded shuffle, are held out).
+      train_replies: ``"all"``: every assistant reply of a chat record is
+        trained on; ``"last"``: only its last (the answer), the earlier turns
+        context (:class:`~pockjax.data.Batcher` ``replies``).
       scheme: ``full``, ``paper``, ``norm-only``, ``channels`` or a scheme file.
       blocks: Last blocks trained by ``paper``/``channels`` (None: the default).
       optimizer: ``adamw``, ``adam``, ``sgd`` (momentum 0.9) or ``lion``.
@@ -202,6 +205,7 @@ class FinetuneConfig:
     eval_every: int = 0
     grad_accum: int = 1
     max_seq_len: int | None = None
+    train_replies: str = "all"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -589,7 +593,14 @@ def _examples(cfg: FinetuneConfig):
         held = [records[i] for i in order[:n_eval]]
         # no held-out prompt is trained on (a record given twice would be both): as train_eval_split
         asked = {(ex.prompt, ex.context) for ex in held}
-        train = [records[i] for i in order[n_eval:] if (records[i].prompt, records[i].context) not in asked]
+        # with every reply trained, neither is a conversation that starts with a held-out one and its answer
+        answered = {tuple((m["role"], m["content"]) for m in ex.messages(with_answer=True)) for ex in held}
+
+        def held_in(ex):
+            return (ex.prompt, ex.context) in asked or cfg.train_replies == "all" and any(
+                ex.context[:i + 1] in answered for i, (role, _) in enumerate(ex.context) if role == "assistant")
+
+        train = [records[i] for i in order[n_eval:] if not held_in(records[i])]
         if not train:
             raise DataError(f"{cfg.data}: every record's prompt is among the {n_eval} held out; nothing is left"
                             f" to train on (lower --eval-examples, or add records)")
@@ -685,6 +696,8 @@ def _validate(cfg: FinetuneConfig, steps_known: bool = True) -> None:
         c = cfg.grad_clip
         if isinstance(c, bool) or not isinstance(c, (int, float, np.floating)) or not (math.isfinite(c) and c > 0):
             raise FinetuneError(f"--grad-clip must be a finite number > 0, got {c!r}")
+    if cfg.train_replies not in REPLIES:
+        raise FinetuneError(f"--train-replies must be one of {', '.join(REPLIES)}, got {cfg.train_replies!r}")
     if cfg.seq_len is not None and cfg.max_seq_len is not None:
         raise FinetuneError(f"--seq-len {cfg.seq_len} pads every row to one length, --max-seq-len"
                             f" {cfg.max_seq_len} each step's rows to their own bucket: give one of them")
@@ -768,6 +781,8 @@ def _resume_config(cfg: FinetuneConfig, out: str, run: dict, given: set[str]) ->
     from pockjax.train.schemes import paper_blocks
 
     saved = FinetuneConfig.from_dict(run["config"])
+    if "train_replies" not in run["config"]:  # saved before 2026-11-28, when only the last reply was trained
+        saved = dataclasses.replace(saved, train_replies="last")
     n_layers = _run_layers(out)
 
     def shown(name, value):
@@ -956,7 +971,8 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
     # one optimizer update's rows: grad_accum micro-batches of batch_size
     try:
         batcher = Batcher(tokenizer, train, batch_size=cfg.batch_size * cfg.grad_accum, seq_len=cfg.seq_len,
-                          seed=cfg.seed, max_seq_len=model.config.max_seq_len, bucket_limit=cfg.max_seq_len)
+                          seed=cfg.seed, max_seq_len=model.config.max_seq_len, bucket_limit=cfg.max_seq_len,
+                          replies=cfg.train_replies)
     except SequenceLengthError as e:  # in the command's words: there is no truncate option
         raise SequenceLengthError(str(e).replace("raise seq_len to at least", "raise --seq-len to at least").replace(
             " or pass truncate=True", ", or leave --seq-len out (rows as long as the longest example)")) from None
@@ -1154,9 +1170,9 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
         last_saved[0] = step
 
     val_loss = val_batch = None
-    if cfg.eval_every:  # one batch of every held-out example, loss on its answers
+    if cfg.eval_every:  # one batch of every held-out example, loss on what training trains of it
         held_batcher = Batcher(tokenizer, held, batch_size=len(held), seed=cfg.seed,
-                               max_seq_len=model.config.max_seq_len, truncate=True)
+                               max_seq_len=model.config.max_seq_len, truncate=True, replies=cfg.train_replies)
         val_batch = {k: jnp.asarray(v) for k, v in held_batcher.batch(0).items()}
 
         def held_loss(p, b, window=held_batcher.answer_window):

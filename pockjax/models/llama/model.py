@@ -751,7 +751,7 @@ def next_token_loss(logits: jax.Array, targets: jax.Array,
     Args:
       logits: ``(batch, seq, vocab)``; position ``t`` predicts ``targets[:, t]``.
       targets: ``(batch, seq)`` int ids (already shifted by one).
-      loss_mask: ``(batch, seq)``; 1 where the target counts (answer tokens).
+      loss_mask: ``(batch, seq)``; 1 where the target counts (the answers' tokens).
 
     Returns:
       Scalar float32 loss (0 if nothing is unmasked).
