@@ -51,8 +51,9 @@ finetune: setup
 quickstart: setup
 	$(PY) examples/quickstart.py
 
-# Two workers, one test file each at a time (module fixtures are built once); 33 to 40 minutes
-# on 2 cores, with one XLA compilation cache shared by the whole run (tests/conftest.py).
+# Two workers, one test file each at a time (module fixtures are built once); about 28 minutes
+# on 2 cores, with one XLA compilation cache shared by the whole run and XLA's CPU kernels
+# compiled at LLVM -O0 (tests/conftest.py; POCKJAX_TEST_XLA_DEFAULT_OPT=1 for XLA's default).
 test: setup system-deps
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not llamacpp"
 
