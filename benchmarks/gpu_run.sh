@@ -7,7 +7,8 @@
 #   python benchmarks/gpu_smoke.py --iree-prepare gpu-work/iree      # the cuda modules
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux_2_28_x86_64 -d gpu-work/wheels iree-base-runtime==3.13.0
-# (the Python version of the GPU machine's), then bring gpu-work/ along.
+# (the Python version of the GPU machine's), then bring gpu-work/ along: the .vmfb files are
+# git-ignored, so a device call that copies the working tree must carry gpu-work/iree by name.
 #
 # A JAX newer than pockjax's verified range needs POCKJAX_ALLOW_UNVERIFIED_JAX=1 (say so
 # beside the figures).
