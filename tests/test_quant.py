@@ -24,8 +24,11 @@ def _gguf_type(qtype):
     return getattr(gguf.GGMLQuantizationType, qtype.upper())
 
 
+@pytest.mark.parametrize("chunk", [None, 96, 200])  # quantize goes a slice of rows at a time
 @pytest.mark.parametrize("qtype", FORMATS)
-def test_quantize_and_dequantize_equal_gguf_reference(qtype):
+def test_quantize_and_dequantize_equal_gguf_reference(qtype, chunk, monkeypatch):
+    if chunk is not None:  # one or two rows per slice (the last one short), across the stacked matrices
+        monkeypatch.setattr(quant, "_CHUNK_VALUES", chunk)
     rng = np.random.default_rng(1)
     w = rng.normal(size=(3, 8, 96)).astype(np.float32)
     w[0, 0, :32] = 0.0  # an all-zero block: scale 0
