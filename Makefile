@@ -54,7 +54,10 @@ quickstart: setup
 # Two workers, one test file each at a time (module fixtures are built once); about 28 minutes
 # on 2 cores, with one XLA compilation cache shared by the whole run and XLA's CPU kernels
 # compiled at LLVM -O0 (tests/conftest.py; POCKJAX_TEST_XLA_DEFAULT_OPT=1 for XLA's default).
-test: setup system-deps
+# The Python set-up and the system packages install side by side (both wait mostly on
+# downloads and disk).
+test:
+	$(MAKE) -j2 --no-print-directory setup system-deps
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not llamacpp"
 
 # The quick check while working (under 3 minutes): everything not marked slow
