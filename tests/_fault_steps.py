@@ -61,7 +61,6 @@ def run_script(code: str, *, retain_heap: bool) -> dict:
     """
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("POCKJAX_RETAIN_HEAP", None)
-    env.pop("GLIBC_TUNABLES", None)  # the comparison is with glibc's defaults, which tests/conftest.py replaces
     if not retain_heap:
         env["POCKJAX_RETAIN_HEAP"] = "0"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)

@@ -15,19 +15,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 if os.environ.get("POCKJAX_TEST_XLA_DEFAULT_OPT") != "1" and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
-# The test processes keep the heap memory they free (glibc: one arena for every thread, no
-# mmap for large blocks, no trimming), so the next arrays and XLA buffers reuse it instead of
-# faulting zero-filled pages in again: on these machines a first touch costs about 27 us per
-# 4 KiB page (400 MB written five times: 2.9 s with glibc's defaults, 0.27 s kept), and the
-# tests load, dequantize and copy hundreds of MB of weights (four heavy files: 144 against
-# 170 s, a fifth less system time). This changes where memory comes from, never a value. The
-# xdist workers and the subprocesses the tests start inherit it; the tests that measure
-# glibc's own behaviour (tests/_fault_steps.py) take it out of their subprocesses' setting,
-# and POCKJAX_TEST_GLIBC_DEFAULT_HEAP=1 runs the whole suite on glibc's defaults.
-HEAP_TUNABLES = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295"
-if os.environ.get("POCKJAX_TEST_GLIBC_DEFAULT_HEAP") != "1" and "GLIBC_TUNABLES" not in os.environ:
-    os.environ["GLIBC_TUNABLES"] = HEAP_TUNABLES
-
 # One XLA (and IREE) compilation cache for the whole test run, shared by the xdist workers and
 # the subprocesses the tests start (they inherit the environment): many tests compile the same
 # tiny-model steps, and on 2 cores compiling is most of the suite's time. The folder is new

@@ -11,7 +11,6 @@ Each case runs in its own process: the setting is process-wide.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -49,42 +48,3 @@ def test_retain_freed_heap_is_idempotent_and_can_be_turned_off():
                          capture_output=True, text=True, check=True)
     assert on.stdout.split() == ["True", "True", "True"]
     assert off.stdout.split() == ["False", "False", "False"]
-
-
-_WRITE_TWICE = """
-import json, resource
-import numpy as np
-faults = []
-for _ in range(2):  # write 256 MB, free it, again
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    a = np.empty(64 << 20, np.float32)
-    a.fill(1.0)
-    del a
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(json.dumps(faults))
-"""
-
-
-def _write_twice(env) -> list[int]:
-    out = subprocess.run([sys.executable, "-c", _WRITE_TWICE], env=env, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's tunables")
-def test_suite_keeps_its_heap_and_the_fault_checks_run_on_glibc_defaults():
-    """The suite's own setting (tests/conftest.py) is in effect in the processes the tests start,
-    and the fault checks' processes leave it out: they compare with glibc's defaults, as users have them."""
-    from conftest import HEAP_TUNABLES
-
-    default_env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    first, second = _write_twice(default_env)
-    assert first > 0 and second > first / 2, (first, second)  # glibc's defaults: faulted in again
-    if os.environ.get("POCKJAX_TEST_GLIBC_DEFAULT_HEAP") == "1":
-        assert os.environ.get("GLIBC_TUNABLES") != HEAP_TUNABLES
-    else:
-        assert os.environ.get("GLIBC_TUNABLES") == HEAP_TUNABLES
-        first, second = _write_twice(os.environ)
-        assert first > 0 and second < first / 10, (first, second)  # the freed memory was reused
-    seen = run_script("import os, json; print(json.dumps({'t': os.environ.get('GLIBC_TUNABLES')}))",
-                      retain_heap=True)
-    assert seen == {"t": None}
