@@ -31,7 +31,7 @@ Q = gguf.GGMLQuantizationType
 @pytest.mark.parametrize("chunk", [None, 64, 100])  # block types go a slice of blocks at a time
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
 def test_dequantize_matches_gguf_package(qtype, chunk, monkeypatch):
-    if chunk is not None:  # one or three blocks per slice, the last slice short
+    if chunk is not None:  # two or three 32-value blocks per slice, the last slice short
         monkeypatch.setattr(llama_gguf, "_CHUNK_VALUES", chunk)
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((8, 96)) * rng.uniform(0.01, 3, (8, 1))).astype(np.float32)
