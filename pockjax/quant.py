@@ -231,8 +231,9 @@ def dequantize_tree(tree, dtype: Any = None):
 # Blocks are quantized a slice of rows at a time (about 1M values: 4 MB of float32), in
 # place where the arithmetic allows, so the temporaries stay small and are reused instead of
 # being whole-matrix copies that the system must fault in page by page (a 262,144 x 640
-# embedding took 12 s in five whole-size passes, against under 1 s in slices).
-_CHUNK_VALUES = 1 << 20
+# embedding took 12 s in five whole-size passes, against under 1 s in slices). GGUF
+# dequantization (pockjax.models.llama.gguf) goes by the same slice size.
+SLICE_VALUES = 1 << 20
 
 
 def _round_half_away(x: np.ndarray) -> np.ndarray:
@@ -316,7 +317,7 @@ def quantize(w, qtype: str, *, transposed: bool = False, dtype: Any = None) -> Q
     codes = np.empty((n, nb, BLOCK), np.int8 if qtype == "q8_0" else np.uint8)
     scale = np.empty((n, nb), np.float16)
     low = np.empty((n, nb), np.float16) if qtype == "q4_1" else None
-    step = max(1, _CHUNK_VALUES // cols)
+    step = max(1, SLICE_VALUES // cols)
     for r in range(0, n, step):
         x = np.asarray(flat[r:r + step], np.float32).reshape(-1, nb, BLOCK)  # read only below
         if not np.isfinite(x).all():

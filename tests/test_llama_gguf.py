@@ -19,7 +19,7 @@ from flax import nnx
 from pockjax.models import llama
 from pockjax.models.llama import LlamaConfig
 from pockjax.models.llama.gguf import dequantize, unpermute_qk
-from pockjax.models.llama import gguf as llama_gguf
+from pockjax import quant
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "llama")
 Q = gguf.GGMLQuantizationType
@@ -32,7 +32,7 @@ Q = gguf.GGMLQuantizationType
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
 def test_dequantize_matches_gguf_package(qtype, chunk, monkeypatch):
     if chunk is not None:  # two or three 32-value blocks per slice, the last slice short
-        monkeypatch.setattr(llama_gguf, "_CHUNK_VALUES", chunk)
+        monkeypatch.setattr(quant, "SLICE_VALUES", chunk)
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((8, 96)) * rng.uniform(0.01, 3, (8, 1))).astype(np.float32)
     x[0, :32] = 0.0  # an all-zero block

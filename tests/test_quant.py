@@ -28,7 +28,7 @@ def _gguf_type(qtype):
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_quantize_and_dequantize_equal_gguf_reference(qtype, chunk, monkeypatch):
     if chunk is not None:  # one or two rows per slice (the last one short), across the stacked matrices
-        monkeypatch.setattr(quant, "_CHUNK_VALUES", chunk)
+        monkeypatch.setattr(quant, "SLICE_VALUES", chunk)
     rng = np.random.default_rng(1)
     w = rng.normal(size=(3, 8, 96)).astype(np.float32)
     w[0, 0, :32] = 0.0  # an all-zero block: scale 0

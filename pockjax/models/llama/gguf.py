@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pockjax import quant
 from pockjax.errors import GGUFError, UnsupportedModelError
 from pockjax.io.gguf import GGUFFile, open_gguf
 from pockjax.io.kquants import BLOCKS as KQUANT_BLOCKS, DEQUANTIZERS as KQUANT_DEQUANTIZERS
@@ -91,9 +92,6 @@ _BLOCK_DEQUANT: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 }
 
 
-_CHUNK_VALUES = 1 << 20  # values dequantized at a time (block types)
-
-
 def dequantize(raw: np.ndarray, qtype: str, shape: tuple[int, ...]) -> np.ndarray:
     """Dequantizes one GGUF tensor to float32.
 
@@ -136,7 +134,7 @@ def dequantize(raw: np.ndarray, qtype: str, shape: tuple[int, ...]) -> np.ndarra
         # reused, instead of whole-tensor ones faulted in page by page (7 s against 1 s for
         # Gemma 3's 262,144 x 640 Q8_0 embedding)
         out = np.empty((blocks.shape[0], size), np.float32)
-        step = max(1, _CHUNK_VALUES // size)
+        step = max(1, quant.SLICE_VALUES // size)
         for i in range(0, blocks.shape[0], step):
             out[i:i + step] = _BLOCK_DEQUANT[qtype](blocks[i:i + step]).reshape(-1, size)
     else:
