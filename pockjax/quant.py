@@ -312,20 +312,24 @@ def quantize(w, qtype: str, *, transposed: bool = False, dtype: Any = None) -> Q
         raise QuantizationError(f"a matrix of shape {np.shape(w)} cannot be quantized in blocks of"
                                 f" {BLOCK}: its {axis} axis ({cols}) is not a multiple of {BLOCK}")
     nb = cols // BLOCK
-    flat = a.reshape((-1, cols))  # every row of every stacked matrix (a copy only if ``a`` is transposed)
-    n = flat.shape[0]
+    # the stacked matrices (merging the leading axes is a view, also of a transposed ``a``), each
+    # read a slice of rows at a time: a transposed matrix is gathered slice by slice, never copied whole
+    mats = a.reshape((-1, rows, cols))
+    n = mats.shape[0] * rows
     codes = np.empty((n, nb, BLOCK), np.int8 if qtype == "q8_0" else np.uint8)
     scale = np.empty((n, nb), np.float16)
     low = np.empty((n, nb), np.float16) if qtype == "q4_1" else None
     step = max(1, SLICE_VALUES // cols)
-    for r in range(0, n, step):
-        x = np.asarray(flat[r:r + step], np.float32).reshape(-1, nb, BLOCK)  # read only below
-        if not np.isfinite(x).all():
-            raise QuantizationError(f"a matrix of shape {np.shape(w)} holds NaN or infinite values")
-        c, d, lo = _quantize_rows(x, qtype)
-        codes[r:r + step], scale[r:r + step] = c, d[..., 0]
-        if low is not None:
-            low[r:r + step] = lo[..., 0]
+    for m in range(mats.shape[0]):
+        for r in range(0, rows, step):
+            x = np.asarray(mats[m, r:r + step], np.float32).reshape(-1, nb, BLOCK)  # read only below
+            if not np.isfinite(x).all():
+                raise QuantizationError(f"a matrix of shape {np.shape(w)} holds NaN or infinite values")
+            c, d, lo = _quantize_rows(x, qtype)
+            at = slice(m * rows + r, m * rows + r + len(c))
+            codes[at], scale[at] = c, d[..., 0]
+            if low is not None:
+                low[at] = lo[..., 0]
     lead = a.shape[:-1]
     scale, low = scale.reshape(lead + (nb,)), None if low is None else low.reshape(lead + (nb,))
     if qtype == "q8_0":

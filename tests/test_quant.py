@@ -24,10 +24,10 @@ def _gguf_type(qtype):
     return getattr(gguf.GGMLQuantizationType, qtype.upper())
 
 
-@pytest.mark.parametrize("chunk", [None, 96, 200])  # quantize goes a slice of rows at a time
+@pytest.mark.parametrize("chunk", [None, 96, 200, 300])  # quantize goes a slice of rows at a time
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_quantize_and_dequantize_equal_gguf_reference(qtype, chunk, monkeypatch):
-    if chunk is not None:  # one or two rows per slice (the last one short), across the stacked matrices
+    if chunk is not None:  # one, two or three rows per slice of each stacked matrix (three: the last one short)
         monkeypatch.setattr(quant, "SLICE_VALUES", chunk)
     rng = np.random.default_rng(1)
     w = rng.normal(size=(3, 8, 96)).astype(np.float32)
