@@ -234,13 +234,22 @@ def dequantize_tree(tree, dtype: Any = None):
 # embedding took 12 s in five whole-size passes, against under 1 s in slices). GGUF
 # dequantization (pockjax.models.llama.gguf) goes by the same slice size.
 SLICE_VALUES = 1 << 20
+_F16_MAX = float(np.finfo(np.float16).max)
 
 
 def _round_half_away(x: np.ndarray) -> np.ndarray:
-    # C's roundf (what ggml's reference quantizers use), not numpy's round-half-even; in place
-    half = np.copysign(0.5, x)
-    x += half
-    return np.trunc(x, out=x)
+    # C's roundf (what ggml's reference quantizers use), not numpy's round-half-even; in place.
+    # floor(|x|) plus one where the fraction is at least a half: exact in float32 (adding 0.5 and
+    # truncating is not: 0.49999997 + 0.5 rounds to 1.0)
+    sign = np.sign(x)
+    np.abs(x, out=x)
+    whole = np.floor(x)
+    x -= whole
+    x *= 2
+    np.floor(x, out=x)
+    x += whole
+    x *= sign
+    return x
 
 
 def _quantize_rows(x: np.ndarray, qtype: str):
@@ -307,14 +316,14 @@ def quantize(w, qtype: str, *, transposed: bool = False, dtype: Any = None) -> Q
         return QTensor(qtype, np.ascontiguousarray(a.astype(ml_dtypes.bfloat16)), transposed=transposed,
                        dtype=np.float32 if dtype is None or np.dtype(dtype).name == "bfloat16" else dtype)
     rows, cols = a.shape[-2:]
-    if cols % BLOCK:
+    if cols == 0 or cols % BLOCK:
         axis = "second-to-last" if transposed else "last"
         raise QuantizationError(f"a matrix of shape {np.shape(w)} cannot be quantized in blocks of"
-                                f" {BLOCK}: its {axis} axis ({cols}) is not a multiple of {BLOCK}")
+                                f" {BLOCK}: its {axis} axis ({cols}) is not a positive multiple of {BLOCK}")
     nb = cols // BLOCK
     # the stacked matrices (merging the leading axes is a view, also of a transposed ``a``), each
     # read a slice of rows at a time: a transposed matrix is gathered slice by slice, never copied whole
-    mats = a.reshape((-1, rows, cols))
+    mats = a.reshape((int(np.prod(a.shape[:-2], dtype=np.int64)), rows, cols))
     n = mats.shape[0] * rows
     codes = np.empty((n, nb, BLOCK), np.int8 if qtype == "q8_0" else np.uint8)
     scale = np.empty((n, nb), np.float16)
@@ -324,8 +333,16 @@ def quantize(w, qtype: str, *, transposed: bool = False, dtype: Any = None) -> Q
         for r in range(0, rows, step):
             x = np.asarray(mats[m, r:r + step], np.float32).reshape(-1, nb, BLOCK)  # read only below
             if not np.isfinite(x).all():
-                raise QuantizationError(f"a matrix of shape {np.shape(w)} holds NaN or infinite values")
+                raise QuantizationError(f"a matrix of shape {np.shape(w)} holds NaN or infinite values"
+                                        f" (as float32)")
             c, d, lo = _quantize_rows(x, qtype)
+            # the scales (and q4_1's minima) are stored as float16: a value too large for them
+            # would come back as inf or NaN, so it is refused here
+            if not (np.abs(d) <= _F16_MAX).all() or lo is not None and not (np.abs(lo) <= _F16_MAX).all():
+                raise QuantizationError(
+                    f"a matrix of shape {np.shape(w)} holds values up to {float(np.abs(x).max()):.4g}:"
+                    f" {qtype}'s float16 block scales{' and minima' if lo is not None else ''} cannot hold"
+                    f" them (at most {_F16_MAX:.0f}); keep this tensor in float, or scale it down first")
             at = slice(m * rows + r, m * rows + r + len(c))
             codes[at], scale[at] = c, d[..., 0]
             if low is not None:

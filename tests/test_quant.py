@@ -1,6 +1,7 @@
 """Frozen weights kept quantized: formats against gguf's reference, the compiled step, guards."""
 
 import os
+import re
 
 import gguf
 import jax
@@ -79,6 +80,35 @@ def test_quantize_refuses_bad_input():
         quant.quantize(np.ones((1, 32), np.float32), "q3_k")
     with pytest.raises(quant.QuantizationError, match="needs 34 bytes"):
         quant.from_gguf_blocks(np.zeros(33, np.uint8), "Q8_0", (1, 32))
+    with pytest.raises(quant.QuantizationError, match=r"last axis \(0\) is not a positive multiple"):
+        quant.quantize(np.ones((2, 0), np.float32), "q8_0")
+
+
+@pytest.mark.parametrize("qtype, value", [("q8_0", 1e7), ("q4_0", 6e5), ("q4_1", 7e4)])
+def test_quantize_refuses_values_its_float16_scales_cannot_hold(qtype, value):
+    # finite weights that would come back as inf or NaN (q4_1: the block's minimum itself overflows)
+    w = np.ones((2, 64), np.float32)
+    w[1, 32:] = value
+    with pytest.raises(quant.QuantizationError, match=re.escape(f"values up to {value:.4g}: {qtype}'s float16 block scales")):
+        quant.quantize(w, qtype)
+    w[1, 32:] = 6e4 if qtype == "q8_0" else 3e4  # within reach: a finite value back
+    assert np.isfinite(np.asarray(quant.dequantize(quant.quantize(w, qtype)))).all()
+
+
+def test_q8_0_rounds_as_c_roundf_also_just_below_a_half():
+    # 0.49999997 + 0.5 is 1.0 in float32: ggml's reference rounds the value itself, to 0
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0], x[0, 1] = 127, np.nextafter(np.float32(0.5), np.float32(0))
+    x[0, 2], x[0, 3], x[0, 4] = -x[0, 1], 0.5, -2.5
+    ref = np.frombuffer(gguf.quants.quantize(x, _gguf_type("q8_0")).tobytes(), np.int8)[2:7]
+    assert list(ref) == [127, 0, 0, 1, -3]
+    assert list(np.asarray(quant.quantize(x, "q8_0").q)[0, :5]) == list(ref)
+
+
+def test_quantize_keeps_empty_stacks_empty():
+    assert quant.quantize(np.zeros((0, 32), np.float32), "q8_0").shape == (0, 32)
+    qt = quant.quantize(np.zeros((3, 0, 32), np.float32), "q4_1")
+    assert qt.shape == (3, 0, 32) and np.asarray(quant.dequantize(qt)).shape == (3, 0, 32)
 
 
 # -- the compiled step ------------------------------------------------------------
