@@ -90,11 +90,36 @@ def test_header_entry_without_data_offsets(tmp_path):
     ({"dtype": "F32", "shape": [1], "data_offsets": [0, True]}, "two integers"),
     ({"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}, "needs 8 bytes"),
     ({"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}, "truncated"),
+    # no bytes, yet no array can have this shape: a bare numpy error once, naming nothing
+    ({"dtype": "F32", "shape": [2**63, 0], "data_offsets": [0, 0]}, "more values than any array"),
 ])
 def test_malformed_tensor_entries(tmp_path, entry, message):
     path = _safetensors(tmp_path / "bad.safetensors", {"w": entry}, b"\0" * 4)
     with pytest.raises(SafetensorsError, match=message):
         read_safetensors(path)
+
+
+def test_gguf_tensor_dimensions_no_array_can_have_are_refused(tmp_path):
+    from pockjax.io.gguf import open_gguf, write_gguf
+
+    path = str(tmp_path / "huge.gguf")
+    write_gguf(path, {"general.architecture": "llama"}, [("w", "F32", (0, 2**62), np.zeros(0, np.float32))])
+    with pytest.raises(GGUFError, match=r"huge\.gguf: tensor 'w' has dimensions .*more values than any array"):
+        open_gguf(path)
+
+
+def test_scalars_keep_their_shape_and_metadata_must_be_strings(tmp_path):
+    from pockjax.io.safetensors import LazyTensor
+
+    path = tmp_path / "s.safetensors"
+    write_safetensors(path, {"t": np.array(2.0, np.float32), "lazy": LazyTensor((), np.float32, lambda: np.float32(3)),
+                             "be": LazyTensor((2,), ">i4", lambda: np.array([1, 2], ">i4"))})
+    back = read_safetensors(path)
+    assert back["t"].shape == back["lazy"].shape == () and float(back["lazy"]) == 3.0
+    assert back["be"].dtype == np.int32 and back["be"].tolist() == [1, 2]
+    with pytest.raises(ValueError, match="strings to strings"):
+        write_safetensors(path, {"t": np.ones(1)}, metadata={"format": None})
+    assert float(read_safetensors(path)["t"]) == 2.0  # refused before anything was written
 
 
 def test_overlapping_and_gapped_tensors(tmp_path):

@@ -69,6 +69,13 @@ def test_dequantize_rejects_unsupported_and_wrong_sizes():
         dequantize(np.zeros(66, np.uint8), "IQ2_XXS", (256,))
     with pytest.raises(llama.GGUFError, match="needs"):
         dequantize(np.zeros(30, np.uint8), "Q8_0", (32,))
+    # blocks that would span two rows, values that would be read as bit patterns or overflow
+    with pytest.raises(llama.GGUFError, match=r"shape \(2, 16\) has rows of 16 values, not whole blocks"):
+        dequantize(np.zeros(34, np.uint8), "Q8_0", (2, 16))
+    with pytest.raises(llama.GGUFError, match="BF16 data must be given as its raw bytes.*got float32"):
+        dequantize(np.ones(4, np.float32), "BF16", (8,))
+    with pytest.raises(llama.GGUFError, match="F32 data .* got float64"):
+        dequantize(np.ones(4), "F32", (4,))
 
 
 def test_unpermute_inverts_llama_cpp_permute():

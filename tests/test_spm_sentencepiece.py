@@ -57,3 +57,15 @@ def test_merges_happen(models):
     sp, ours = models
     assert len(ours.encode("the quick brown fox").ids) < len("the quick brown fox") / 2
     assert all(sp.is_byte(i) for i in ours.encode("☃").ids[1:])  # after the "▁" piece
+
+
+@pytest.mark.parametrize("tokens, scores, message", [
+    (["a", "b", "ab", "ab"], [0, 0, 1, 1], "distinct strings"),
+    (["a", "b"], [0], "2 finite numbers"),
+    (["a", "b", "ab"], [0, 0, float("nan")], "3 finite numbers"),  # would scramble tokenizer.json's merges
+])
+def test_vocabulary_built_directly_is_checked(tokens, scores, message):
+    from pockjax.models.llama.spm import SentencePieceBPE
+
+    with pytest.raises(ValueError, match=message):
+        SentencePieceBPE(tokens, scores)

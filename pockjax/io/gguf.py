@@ -58,6 +58,7 @@ _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 
           11: "<i8", 12: "<f8"}
 _STRING, _ARRAY, _BOOL = 8, 9, 7
 _MAX_DIMS = 4          # GGML_MAX_DIMS
+_MAX_VALUES = 1 << 60  # values in one tensor (float32: 4 EiB), far above any real one
 _MAX_ARRAY_DEPTH = 4   # nested arrays deeper than this are not real models
 _DEFAULT_ALIGNMENT = 32
 
@@ -257,9 +258,13 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         if dims and dims[0] % block:
             raise GGUFError(f"{path}: tensor {name!r} ({type_name}) has a first dimension"
                             f" {dims[0]} that is not a multiple of its block size {block}")
-        count = 1
+        count = nonzero = 1
         for d in dims:
             count *= d
+            nonzero *= max(d, 1)
+        if nonzero > _MAX_VALUES:  # (an array of these dimensions cannot exist, even with a 0 among them)
+            raise GGUFError(f"{path}: tensor {name!r} has dimensions {dims}, more values than any array"
+                            f" can hold; the file is corrupt")
         n_bytes = count // block * block_bytes
         entries.append((name, tuple(reversed(dims)), type_name, offset, n_bytes))
     data_start = -(-cur.pos // alignment) * alignment

@@ -43,6 +43,7 @@ SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF1
 
 # A header larger than this is not a real checkpoint (the reference reader's limit).
 _MAX_HEADER = 100_000_000
+_MAX_VALUES = 1 << 60  # values in one tensor (float64: 8 EiB), far above any real one
 
 
 def _numpy_dtype(name: str) -> np.dtype:
@@ -138,9 +139,13 @@ def read_safetensors_header(path: str | os.PathLike
             raise SafetensorsError(f"{path} is truncated: tensor {name!r} ends at data byte"
                                    f" {end}, the file holds {data_size} data bytes")
         dtype = _numpy_dtype(SAFETENSORS_DTYPES[dt])
-        count = 1
+        count = nonzero = 1
         for d in shape:
             count *= d
+            nonzero *= max(d, 1)
+        if nonzero > _MAX_VALUES:  # (an array of this shape cannot exist, even with a 0 in it)
+            raise SafetensorsError(f"{where}: shape {tuple(shape)} has more values than any array can"
+                                   f" hold; the file is corrupt")
         if count * dtype.itemsize != end - begin:
             raise SafetensorsError(f"{where}: shape {tuple(shape)} of {dt} needs"
                                    f" {count * dtype.itemsize} bytes, data_offsets give"
@@ -199,16 +204,29 @@ class LazyTensor:
 
     def __init__(self, shape, dtype, fn):
         self.shape = tuple(int(d) for d in shape)
-        self.dtype = np.dtype(dtype)
+        self.dtype = _little_endian(np.dtype(dtype))  # what the file stores
         self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
         self.fn = fn
 
     def materialize(self) -> np.ndarray:
-        a = np.ascontiguousarray(np.asarray(self.fn()))
+        a = _stored_form(self.fn())
         if a.shape != self.shape or a.dtype != self.dtype:
             raise ValueError(f"lazy tensor computed {a.dtype}{list(a.shape)}, declared"
                              f" {self.dtype}{list(self.shape)}")
-        return a.astype(a.dtype.newbyteorder("<")) if a.dtype.byteorder == ">" else a
+        return a
+
+
+def _little_endian(dtype: np.dtype) -> np.dtype:
+    return dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
+
+
+def _stored_form(x: Any) -> np.ndarray:
+    """``x`` as the file stores it: C order, little-endian, its shape kept (a 0-d array stays 0-d,
+    which ``np.ascontiguousarray`` would make 1-d)."""
+    a = np.asarray(x)
+    if a.dtype.byteorder == ">":
+        a = a.astype(_little_endian(a.dtype))
+    return a if a.flags.c_contiguous else np.array(a, order="C")
 
 
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, Any],
@@ -228,15 +246,18 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, Any],
     names = {_numpy_dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}
     header: dict[str, Any] = {}
     if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        bad = {k: v for k, v in metadata.items() if not (isinstance(k, str) and isinstance(v, str))}
+        if bad:  # (str() would write None as "None")
+            raise ValueError(f"safetensors metadata maps strings to strings; not {bad!r}")
+        header["__metadata__"] = dict(metadata)
     arrays = []
     offset = 0
     for name in sorted(tensors):
         a = tensors[name]
+        if not isinstance(name, str):
+            raise ValueError(f"safetensors tensor names are strings; not {name!r}")
         if not isinstance(a, LazyTensor):
-            a = np.ascontiguousarray(np.asarray(a))
-            if a.dtype.byteorder == ">":
-                a = a.astype(a.dtype.newbyteorder("<"))
+            a = _stored_form(a)
         dt = names.get(a.dtype)
         if dt is None or name == "__metadata__":
             raise ValueError(f"cannot store {name!r} of dtype {a.dtype} in safetensors")

@@ -38,9 +38,11 @@ __all__ = [
 
 
 # (block size in values, bytes per block) of each block-quantized type.
-_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-           **KQUANT_BLOCKS}
-SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", *KQUANT_BLOCKS)
+_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), **KQUANT_BLOCKS}  # (kquants: Q5_0, Q5_1, Q2_K ...)
+SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", *_BLOCKS)
+# what the data of a float type may be given as: its raw bytes or its own values (float32 given
+# for BF16 would be read as bit patterns, float64 for F32 could overflow)
+_VALUE_DTYPES = {"F32": ("uint8", "float32"), "F16": ("uint8", "float16"), "BF16": ("uint8", "uint16", "bfloat16")}
 
 
 def _f16(col: np.ndarray) -> np.ndarray:
@@ -70,25 +72,8 @@ def _dequant_q4_1(blocks: np.ndarray) -> np.ndarray:
     return d * _nibbles(blocks[:, 4:]) + m
 
 
-def _fifth_bits(qh: np.ndarray) -> np.ndarray:
-    # Q5_0 / Q5_1: bit j of the little-endian uint32 qh is the fifth bit of value j.
-    bits = np.ascontiguousarray(qh).view("<u4")
-    return (((bits >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.float32)
-
-
-def _dequant_q5_0(blocks: np.ndarray) -> np.ndarray:
-    d = _f16(blocks[:, 0:2])
-    return d * (_nibbles(blocks[:, 6:]) + _fifth_bits(blocks[:, 2:6]) - 16.0)
-
-
-def _dequant_q5_1(blocks: np.ndarray) -> np.ndarray:
-    d, m = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-    return d * (_nibbles(blocks[:, 8:]) + _fifth_bits(blocks[:, 4:8])) + m
-
-
 _BLOCK_DEQUANT: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "Q8_0": _dequant_q8_0, "Q4_0": _dequant_q4_0, "Q4_1": _dequant_q4_1,
-    "Q5_0": _dequant_q5_0, "Q5_1": _dequant_q5_1, **KQUANT_DEQUANTIZERS,
+    "Q8_0": _dequant_q8_0, "Q4_0": _dequant_q4_0, "Q4_1": _dequant_q4_1, **KQUANT_DEQUANTIZERS,
 }
 
 
@@ -116,6 +101,14 @@ def dequantize(raw: np.ndarray, qtype: str, shape: tuple[int, ...]) -> np.ndarra
       (1.0, 0.5, -4.0)
     """
     count = int(np.prod(shape))
+    raw = np.asarray(raw)
+    if qtype in _VALUE_DTYPES and raw.dtype.name not in _VALUE_DTYPES[qtype]:
+        raise GGUFError(f"{qtype} data must be given as its raw bytes (uint8) or as"
+                        f" {' / '.join(_VALUE_DTYPES[qtype][1:])} values, got {raw.dtype}")
+    if qtype in _BLOCKS and (not shape or shape[-1] % _BLOCKS[qtype][0]):
+        raise GGUFError(f"{qtype} stores each row in blocks of {_BLOCKS[qtype][0]} values: a tensor of"
+                        f" shape {tuple(shape)} has rows of {shape[-1] if shape else 'no'} values, not whole"
+                        f" blocks (the file or the shape given is wrong)")
     if qtype == "F32":
         out = np.asarray(raw).view(np.float32) if raw.dtype == np.uint8 else np.asarray(raw, np.float32)
     elif qtype == "F16":

@@ -34,6 +34,7 @@ from __future__ import annotations
 import gc
 import heapq
 import json
+import math
 from typing import Iterable, NamedTuple, Sequence
 
 __all__ = ["SentencePieceBPE", "SPACE"]
@@ -72,6 +73,17 @@ class SentencePieceBPE:
         self.tokens = list(tokens)
         self.scores = [float(s) for s in scores]
         self.types = list(types) if types is not None else [_NORMAL] * len(self.tokens)
+        # (the file loaders check these first, naming the file and key; this guards direct use)
+        if not self.tokens or not all(isinstance(t, str) for t in self.tokens) \
+                or len(set(self.tokens)) != len(self.tokens):
+            raise ValueError("tokens must be a non-empty list of distinct strings")
+        if len(self.scores) != len(self.tokens) or not all(map(math.isfinite, self.scores)):
+            # a NaN would scramble the merge order of tokenizer.json, silently
+            raise ValueError(f"scores must be {len(self.tokens)} finite numbers, one per token")
+        if len(self.types) != len(self.tokens) or not all(type(t) is int for t in self.types):
+            raise ValueError(f"types must be {len(self.tokens)} integers, one per token")
+        if unk_id is not None and not (type(unk_id) is int and 0 <= unk_id < len(self.tokens)):
+            raise ValueError(f"unk_id {unk_id!r} is not a token id")
         self.add_space_prefix = bool(add_space_prefix)
         self.unk_id = unk_id
         self.vocab = {t: i for i, t in enumerate(self.tokens)}
@@ -197,7 +209,7 @@ class SentencePieceBPE:
     def _merges(self) -> list[list[str]]:
         """Every split of a normal piece into two pieces, ``[left, right]``, ordered by the
         piece's score (highest first), then by the two halves' ids."""
-        vocab, get, scores, types = self.vocab, self.vocab.get, self.scores, self.types
+        get, scores, types = self.vocab.get, self.scores, self.types
         ranked = []  # (-score, left id, right id, left, right): no two entries share the ids
         # (Gemma 3's 262,144 pieces give half a million merges: the collector, left on, would
         # walk them all again and again as they are made: 3x the time)
