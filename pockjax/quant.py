@@ -417,6 +417,9 @@ def to_gguf_blocks(qt: QTensor) -> np.ndarray:
         >>> to_gguf_blocks(qt).shape
         (2, 34)
     """
+    if qt.qtype not in _GGUF_BLOCK_BYTES:
+        raise QuantizationError(f"a {qt.qtype} tensor has no GGUF blocks (GGUF block formats:"
+                                f" {', '.join(_GGUF_BLOCK_BYTES)}); quantize its value to one of them first")
     lead = tuple(np.shape(qt.scale))
     parts = [np.asarray(qt.scale, np.float16).reshape(lead + (1,)).view(np.uint8)]
     if qt.qtype == "q4_1":

@@ -80,6 +80,8 @@ def test_quantize_refuses_bad_input():
         quant.quantize(np.ones((1, 32), np.float32), "q3_k")
     with pytest.raises(quant.QuantizationError, match="needs 34 bytes"):
         quant.from_gguf_blocks(np.zeros(33, np.uint8), "Q8_0", (1, 32))
+    with pytest.raises(quant.QuantizationError, match="a bf16 tensor has no GGUF blocks"):
+        quant.to_gguf_blocks(quant.quantize(np.ones((2, 32), np.float32), "bf16"))
     with pytest.raises(quant.QuantizationError, match=r"last axis \(0\) is not a positive multiple"):
         quant.quantize(np.ones((2, 0), np.float32), "q8_0")
 
