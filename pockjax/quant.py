@@ -291,6 +291,9 @@ def quantize(w, qtype: str, *, transposed: bool = False, dtype: Any = None) -> Q
         blocks run along ``w``'s second-to-last axis (a model's ``(in, out)``
         kernel is stored as ``(out, in)`` rows of blocks, as GGUF stores it).
       dtype: The dtype the value is used in (default: ``w``'s, or float32).
+        A ``"bf16"`` tensor is used in float32 unless ``dtype`` names
+        another type than bfloat16 (its held form is already bfloat16;
+        bfloat16 products come from ``pockjax.compile(precision="bf16")``).
 
     Raises:
       QuantizationError: ``w`` is not a float matrix, or its blocked axis is
