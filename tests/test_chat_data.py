@@ -144,6 +144,8 @@ def test_a_template_that_renders_an_earlier_reply_elsewhere_is_refused():
     # once dropped without a word: a misspelt input, or history and system fields left out of the prompt
     ({"instruction": "ab", "output": "AB", "inptu": "extra text"}, "'inptu' would be left out of the prompt"),
     ({"instruction": "ab", "output": "AB", "history": [], "system": "x"}, "'history', 'system' would be left out"),
+    ({"instruction": "Answer the question.", "question": "What is 17+25?", "output": "42"},
+     "'question' would be left out"),
     # the last of two equal keys once won silently (trained on "ZZ")
     ('{"instruction": "ab", "output": "AB", "output": "ZZ"}', r"key 'output' given twice in one object"),
 ])

@@ -107,12 +107,25 @@ def test_generate_cli_refuses_bad_numbers(argv, message, capsys):
     ("save_every", -1, "--save-every must be a whole number >= 0, got -1"),
     ("batch_size", 0, "--batch-size must be a whole number >= 1, got 0"),
     ("blocks", 0, "--blocks must be a whole number >= 1, got 0"),
+    # once accepted: an empty --data trained the built-in task; an optimizer name in another case
+    # failed on a KeyError after the model had loaded
+    ("data", "", "--data must name a JSONL file, got ''; leave it out to train the built-in --task"),
+    ("optimizer", "adagrad", "--optimizer must be one of adamw, adam, sgd, lion, got 'adagrad'"),
 ])
 def test_api_refuses_bad_numbers(field, value, message, tok, tmp_path):
     with pytest.raises(FinetuneError, match=f"^{message}$"):
         finetune(cfg(out=str(tmp_path / "o"), **{field: value}), model=tiny_model(),
                  tokenizer=tok, **QUIET)
     assert not (tmp_path / "o").exists()
+
+
+def test_api_takes_numpy_numbers_and_any_case_optimizer_name(tok, tmp_path):
+    # a numpy integer or float passed the checks, then failed writing run.json after training
+    out = tmp_path / "o"
+    finetune(cfg(out=str(out), steps=np.int64(2), lr=np.float32(1e-3), optimizer="AdamW"), model=tiny_model(),
+             tokenizer=tok, **QUIET)
+    run = json.load(open(out / "run.json"))["config"]
+    assert run["steps"] == 2 and run["lr"] == pytest.approx(1e-3) and run["optimizer"] == "adamw"
 
 
 # -- finite or refused -------------------------------------------------------------------------
@@ -598,6 +611,15 @@ def test_resume_of_a_run_with_array_digests_only_continues(run4, tmp_path):
     finetune(cfg(out=out, resume=True, steps=5), **QUIET)
     trainer = json.load(open(os.path.join(out, "state", "trainer.json")))
     assert trainer["step"] == 5 and "run.json" in trainer["sha256"]
+
+
+def test_resume_refuses_an_empty_digest_list(run4, tmp_path):
+    # "sha256": {} once turned every check off without a word (a missing entry at least warns)
+    out = str(tmp_path / "run")
+    shutil.copytree(run4, out)
+    _set_json(os.path.join(out, "state", "trainer.json"), lambda d: d.update(sha256={}))
+    with pytest.raises(FinetuneError, match="sha256 is empty, though a run records the digest of every file"):
+        finetune(cfg(out=out, resume=True, steps=5), **QUIET)
 
 
 def test_resume_without_digests_still_refuses_a_broken_or_mistyped_state(run4, tmp_path):

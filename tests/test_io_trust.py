@@ -247,6 +247,10 @@ def test_binary_data_file_names_file_and_line(tmp_path):
         load_alpaca_jsonl(path)
     with pytest.raises(DataError, match="it is a directory"):
         load_alpaca_jsonl(tmp_path)
+    # UTF-16 (what Windows PowerShell 5 writes): once called binary data
+    path.write_bytes('{"instruction": "a", "output": "b"}\n'.encode("utf-16"))
+    with pytest.raises(DataError, match=r"data\.jsonl:1: the file is UTF-16 text .* save it as UTF-8"):
+        load_alpaca_jsonl(path)
 
 
 def test_missing_model_directory_says_it_does_not_exist(tmp_path):

@@ -134,13 +134,15 @@ def load_alpaca_jsonl(path: str | os.PathLike) -> list[Example]:
 
 _ALPACA_KEYS = ("instruction", "input", "output")
 #: Keys other Alpaca-style formats put text in: pockjax would drop that text.
-_TEXT_KEYS = frozenset({"history", "system", "system_prompt", "context", "conversation", "conversations"})
+_TEXT_KEYS = frozenset({"history", "system", "system_prompt", "context", "conversation", "conversations",
+                        "question", "prompt", "query", "passage", "document", "article"})
 
 
 def _dropped_text_keys(record: dict) -> list[str]:
     """The keys of an Alpaca record whose text the prompt would leave out: a misspelt
     ``instruction`` / ``input`` / ``output`` (``inptu``, ``Input``) or a text field of
-    another format (``history``, ``system``). Metadata (``id``, ``category``, ``text``) passes."""
+    another format (``history``, ``system``, ``question``, ``prompt``). Metadata (``id``,
+    ``category``, and ``text``: the whole record formatted, in the Stanford Alpaca release) passes."""
     import difflib
 
     return sorted(k for k in record if k not in _ALPACA_KEYS and (

@@ -48,6 +48,9 @@ def iter_jsonl(path: str | os.PathLike, *, error: type[FileFormatError] = FileFo
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
+            if lineno == 1 and raw[:2] in (b"\xff\xfe", b"\xfe\xff"):  # (Windows PowerShell 5's '>' writes it)
+                raise error(f"{where}: the file is UTF-16 text (it starts with a UTF-16 byte-order mark);"
+                            f" JSON Lines is UTF-8: save it as UTF-8")
             nul = raw.find(b"\x00")
             if nul >= 0:
                 raise error(f"{where}: binary data (a NUL byte at column {nul + 1});"

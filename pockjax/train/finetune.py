@@ -545,6 +545,8 @@ def _read_state(out: str) -> tuple[dict, list[np.ndarray]]:
         if type(n) is not int or n < 0 or type(trainer.get("step")) is not int:
             raise ValueError(f"{tj} lacks an integer step and opt_state_leaves")
         digests = trainer.get("sha256")
+        if digests == {}:  # (it would check nothing; pockjax never writes it)
+            raise ValueError(f"{tj}: sha256 is empty, though a run records the digest of every file it writes")
         if digests is None:  # a run written before 2026-11-27
             warnings.warn(f"{tj} records no sha256 digests (a run written before 2026-11-27, or the entry was"
                           " removed): the weight and optimizer-state files cannot be checked for damage",
@@ -687,15 +689,25 @@ def _validate(cfg: FinetuneConfig, steps_known: bool = True) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise FinetuneError(f"{_flag(name)} must be a whole number >= {low}, got {value!r}")
+        setattr(cfg, name, int(value))  # a numpy integer as a Python one: run.json holds it
     if cfg.lr is not None:
         lr = cfg.lr
         if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating)) \
                 or not (math.isfinite(lr) and lr > 0):
             raise FinetuneError(f"--lr must be a finite number > 0, got {lr!r}")
+        cfg.lr = float(lr)
     if cfg.grad_clip is not None:
         c = cfg.grad_clip
         if isinstance(c, bool) or not isinstance(c, (int, float, np.floating)) or not (math.isfinite(c) and c > 0):
             raise FinetuneError(f"--grad-clip must be a finite number > 0, got {c!r}")
+        cfg.grad_clip = float(c)
+    if not isinstance(cfg.optimizer, str) or cfg.optimizer.lower() not in DEFAULT_LR:
+        raise FinetuneError(f"--optimizer must be one of {', '.join(DEFAULT_LR)}, got {cfg.optimizer!r}")
+    cfg.optimizer = cfg.optimizer.lower()
+    if cfg.data is not None and not (isinstance(cfg.data, (str, os.PathLike)) and os.fspath(cfg.data).strip()):
+        # (an empty --data once trained the built-in task without a word)
+        raise FinetuneError(f"--data must name a JSONL file, got {cfg.data!r}; leave it out to train the"
+                            f" built-in --task")
     if cfg.train_replies not in REPLIES:
         raise FinetuneError(f"--train-replies must be one of {', '.join(REPLIES)}, got {cfg.train_replies!r}")
     if cfg.seq_len is not None and cfg.max_seq_len is not None:
