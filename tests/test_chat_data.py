@@ -186,6 +186,24 @@ def test_a_held_out_record_is_never_trained_on(tmp_path):
     cfg = FinetuneConfig(data=str(_write(tmp_path / "e.jsonl", [records[0]] * 4)), eval_examples=1)
     with pytest.raises(DataError, match="every record's prompt is among the 1 held out"):
         _examples(cfg)
+    # the same question and answer under a system message, after other turns, or among the earlier
+    # turns of a conversation: once trained while its twin was held out
+    def chat(*turns, system=None):
+        msgs = [{"role": "system", "content": system}] if system else []
+        return {"messages": msgs + [{"role": r, "content": c} for r, c in zip(("user", "assistant") * 3, turns)]}
+
+    twins = [chat("Capital of France?", "Paris"), chat("Capital of France?", "Paris", system="Be brief."),
+             chat("Hi", "Hello", "Capital of France?", "Paris"), chat("Capital of France?", "Paris", "And Spain?", "Madrid")]
+    others = [chat(f"Q{i}", f"A{i}") for i in range(4)]
+    checked = 0
+    for seed in range(8):
+        cfg = FinetuneConfig(data=str(_write(tmp_path / "f.jsonl", twins + others)), eval_examples=1, seed=seed)
+        train, held, _ = _examples(cfg)
+        if held[0].prompt == "Capital of France?":
+            checked += 1
+            assert all("Paris" not in (e.answer, *(c for _, c in e.context)) for e in train), (seed, train)
+            assert len(train) == 4  # the four others
+    assert checked >= 2
 
 
 def test_chat_examples_round_trip_through_save(tmp_path):

@@ -114,17 +114,6 @@ def test_failed_write_leaves_previous_output(full_run, tok, tmp_path, monkeypatc
     llama.load_pretrained(out)  # complete and loadable
 
 
-def test_interrupted_swap_is_repaired(full_run, tmp_path):
-    out, _ = full_run
-    import shutil
-
-    target = str(tmp_path / "x")
-    shutil.copytree(out, target + ".old")  # crash between the two renames
-    with pytest.raises(FinetuneError, match="already exists"):
-        finetune(cfg(out=target), model=tiny_model(), tokenizer=None, log=lambda s: None)
-    assert os.path.isdir(target) and not os.path.exists(target + ".old")
-
-
 def test_existing_output_is_not_overwritten(full_run, tok):
     out, _ = full_run
     before = os.path.getmtime(os.path.join(out, "model.safetensors"))

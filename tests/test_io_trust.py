@@ -424,16 +424,19 @@ def test_interrupted_fallback_swap_is_undone(tmp_path):
     assert (tmp_path / "run" / "config.json").read_text() == "{}"
 
 
-def test_finetune_removes_legacy_temporaries_of_dead_runs(tmp_path):
+def test_finetune_leaves_directories_named_like_old_leftovers_alone(tmp_path):
+    # versions before 2026-11-25 wrote OUT.tmp-PID and OUT.old: the recovery of those names once
+    # deleted a user's run.tmp-N and moved a user's backup run.old into run
     from pockjax.train.finetune import _recover
 
     out = tmp_path / "run"
-    (tmp_path / "run.tmp-999999999").mkdir()          # an older version's kill
-    (tmp_path / f"run.tmp-{os.getpid()}").mkdir()      # a live writer's
-    (tmp_path / "other.tmp-999999999").mkdir()         # another output's: not ours
+    for name in ("run.tmp-999999999", "run.old"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "notes.txt").write_text("mine")
+    (tmp_path / "run.pockjax-tmp-999999999-0a1b2c3d").mkdir()  # a dead run's temporary: removed
     _recover(str(out))
-    assert sorted(os.listdir(tmp_path)) == sorted([f"run.tmp-{os.getpid()}",
-                                                   "other.tmp-999999999"])
+    assert sorted(os.listdir(tmp_path)) == ["run.old", "run.tmp-999999999"]
+    assert (tmp_path / "run.old" / "notes.txt").read_text() == "mine"
 
 
 def test_every_error_names_its_file_and_is_a_pockjax_error(tmp_path):

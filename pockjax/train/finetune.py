@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import resource
 import shutil
 import sys
@@ -59,7 +58,7 @@ import optax
 import pockjax
 from pockjax.data import Batcher, DataError, evaluate_model, load_alpaca_jsonl, refuse_control_text, train_eval_split
 from pockjax.data.batching import REPLIES, SequenceLengthError
-from pockjax.io.atomic import atomic_directory, file_above, pid_alive, remove_stale_temporaries, write_json
+from pockjax.io.atomic import atomic_directory, file_above, remove_stale_temporaries, write_json
 from pockjax.io.jsonfile import read_json_object
 from pockjax import quant
 from pockjax.adapters import LoraTensor, add_adapters, expand_flat, has_adapters, merge as merge_adapters
@@ -303,27 +302,14 @@ def _json_dump(obj: Any, path: str) -> None:
     write_json(path, obj, indent=1)
 
 
-_LEGACY_TMP = re.compile(r"\.tmp-(\d+)$")
-
-
 def _recover(out: str) -> None:
-    """Repairs what a killed run left beside ``out`` (see :func:`write_output`).
-
-    Removes the temporaries of dead processes, moves back an old directory
-    whose swap was interrupted, and does the same for the names older
-    versions used (``OUT.old``, ``OUT.tmp-PID``).
+    """Repairs what a killed run left beside ``out`` (see :func:`write_output`): removes the
+    temporaries of dead processes and moves back an old directory whose swap was interrupted
+    (:func:`~pockjax.io.atomic.remove_stale_temporaries`). Only names that carry the
+    ``.pockjax-tmp-`` marker are touched: a user's ``OUT.old`` or ``OUT.tmp-1`` is theirs (the
+    names versions before 2026-11-25 used, which ``_recover`` once moved and removed).
     """
-    out = os.path.abspath(out)
-    parent = os.path.dirname(out)
-    remove_stale_temporaries(parent)
-    old = out + ".old"
-    if not os.path.exists(out) and os.path.isdir(old):
-        os.replace(old, out)
-    base = os.path.basename(out)
-    for name in os.listdir(parent) if os.path.isdir(parent) else ():
-        m = _LEGACY_TMP.search(name)
-        if m and name[:m.start()] == base and not pid_alive(int(m.group(1))):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    remove_stale_temporaries(os.path.dirname(os.path.abspath(out)))
 
 
 @dataclasses.dataclass
@@ -595,12 +581,20 @@ def _examples(cfg: FinetuneConfig):
         held = [records[i] for i in order[:n_eval]]
         # no held-out prompt is trained on (a record given twice would be both): as train_eval_split
         asked = {(ex.prompt, ex.context) for ex in held}
-        # with every reply trained, neither is a conversation that starts with a held-out one and its answer
+        # nor a held-out question with its answer in another setting (a system message, earlier turns)
+        pairs = {(ex.prompt, ex.answer) for ex in held}
+        # with every reply trained, neither is a conversation that starts with a held-out one and its answer,
+        # nor one with a held-out question and answer among its turns
         answered = {tuple((m["role"], m["content"]) for m in ex.messages(with_answer=True)) for ex in held}
 
+        def turns(ex):  # (user message, the assistant's reply) of the earlier turns
+            c = ex.context
+            return {(c[i][1], c[i + 1][1]) for i in range(len(c) - 1) if (c[i][0], c[i + 1][0]) == ("user", "assistant")}
+
         def held_in(ex):
-            return (ex.prompt, ex.context) in asked or cfg.train_replies == "all" and any(
-                ex.context[:i + 1] in answered for i, (role, _) in enumerate(ex.context) if role == "assistant")
+            return (ex.prompt, ex.context) in asked or (ex.prompt, ex.answer) in pairs or cfg.train_replies == "all" and (
+                any(ex.context[:i + 1] in answered for i, (role, _) in enumerate(ex.context) if role == "assistant")
+                or bool(turns(ex) & pairs))
 
         train = [records[i] for i in order[n_eval:] if not held_in(records[i])]
         if not train:
