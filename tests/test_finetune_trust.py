@@ -613,6 +613,19 @@ def test_resume_of_a_run_with_array_digests_only_continues(run4, tmp_path):
     assert trainer["step"] == 5 and "run.json" in trainer["sha256"]
 
 
+@pytest.mark.parametrize("field, value", [("blocks", "3"), ("lr", "abc"), ("optimizer", "adagrad")])
+def test_resume_of_an_older_run_refuses_an_edited_run_json(run4, tmp_path, field, value):
+    # a run whose run.json has no digest (written before 2026-11-28): an option no run could have had
+    # once failed on a raw TypeError / ValueError
+    out = str(tmp_path / "run")
+    shutil.copytree(run4, out)
+    _set_json(os.path.join(out, "state", "trainer.json"), lambda d: d.update(
+        sha256={k: v for k, v in d["sha256"].items() if k in ("model.safetensors", "state/opt_state.npz")}))
+    _set_json(os.path.join(out, "run.json"), lambda d: d["config"].update({field: value}))
+    with pytest.raises(FinetuneError, match=f"its run.json holds an option the run could not have had .*--{field}"):
+        finetune(cfg(out=out, resume=True), **QUIET)
+
+
 def test_resume_refuses_an_empty_digest_list(run4, tmp_path):
     # "sha256": {} once turned every check off without a word (a missing entry at least warns)
     out = str(tmp_path / "run")

@@ -789,6 +789,11 @@ def _resume_config(cfg: FinetuneConfig, out: str, run: dict, given: set[str]) ->
     saved = FinetuneConfig.from_dict(run["config"])
     if "train_replies" not in run["config"]:  # saved before 2026-11-28, when only the last reply was trained
         saved = dataclasses.replace(saved, train_replies="last")
+    try:  # (a run.json of an older run has no digest to catch an edit: "blocks": "3" failed on a compare)
+        _validate(dataclasses.replace(saved))
+    except FinetuneError as e:
+        raise FinetuneError(f"cannot resume {out}: its run.json holds an option the run could not have had"
+                            f" ({e}); it was damaged or edited: start a new run in another --out") from None
     n_layers = _run_layers(out)
 
     def shown(name, value):
@@ -920,9 +925,9 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
             defaults = FinetuneConfig()
             given = {f.name for f in dataclasses.fields(FinetuneConfig)
                      if getattr(cfg, f.name) != getattr(defaults, f.name)}
+        resume_state = _read_state(out)  # first: the digests say whether run.json is the one the run wrote
         cfg = _resume_config(cfg, out, saved_run, set(given))
         _validate(cfg)
-        resume_state = _read_state(out)
         reached = int(resume_state[0]["step"])
         if cfg.steps < reached:
             raise FinetuneError(f"--steps {cfg.steps} is below the step the run in {out} has"
