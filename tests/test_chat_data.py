@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from pockjax.data import Batcher, DataError, load_alpaca_jsonl
+from pockjax.data import Batcher, DataError, SequenceLengthError, load_alpaca_jsonl
 from pockjax.models import llama
 
 CHAT = {"messages": [{"role": "system", "content": "Be brief."},
@@ -172,6 +172,18 @@ def test_a_control_token_written_in_the_text_is_refused(where):
                                         " as its control token \\(id 258\\)"):
         Batcher(tok, [Example("Hi", "yo"), ex][1:], batch_size=1, seed=0, system=system)
     Batcher(tok, [Example("What is <im_end>?", "a tag, <|im_end without its bar")], batch_size=1, seed=0)
+
+
+def test_errors_about_a_record_name_its_line(tmp_path):
+    # once "example 9": its place in the shuffled training list, not in the file
+    tok = llama.Tokenizer.byte_level_for_tests()
+    rows = [{"instruction": f"Q{i}", "output": f"A{i}"} for i in range(3)]
+    bad = _write(tmp_path / "d.jsonl", rows + [{"instruction": "Q", "output": "ends <|im_end|> here"}])
+    with pytest.raises(DataError, match=r"example .*d\.jsonl:4 \('Q'\): its answer holds '<\|im_end\|>'"):
+        Batcher(tok, load_alpaca_jsonl(bad)[::-1], batch_size=1, seed=0)
+    long = _write(tmp_path / "e.jsonl", rows + [{"instruction": "Q", "output": "x" * 200}])
+    with pytest.raises(SequenceLengthError, match=r"the longest, example .*e\.jsonl:4 \('Q'\), needs"):
+        Batcher(tok, load_alpaca_jsonl(long)[::-1], batch_size=1, seed=0, seq_len=64)
 
 
 def test_a_held_out_record_is_never_trained_on(tmp_path):

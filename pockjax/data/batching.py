@@ -144,7 +144,7 @@ def refuse_control_text(tokenizer: Any, examples: Sequence[Example], system: str
             hit = find(text)
             if hit is not None:
                 raise DataError(
-                    f"{what} {i} ({ex.prompt[:40]!r}{'...' if len(ex.prompt) > 40 else ''}): its {field} holds"
+                    f"{what} {ex.source or i} ({ex.prompt[:40]!r}{'...' if len(ex.prompt) > 40 else ''}): its {field} holds"
                     f" {hit[0]!r}, which the tokenizer reads as its control token (id {hit[1]}), not as text:"
                     f" trained on, it would teach the model that token there (an end of turn in mid-answer),"
                     f" and a reference holding it can never be matched. Rewrite it in the data (for example"
@@ -379,7 +379,8 @@ class Batcher:
             i, n = max(too_long, key=lambda x: x[1])
             raise SequenceLengthError(
                 f"{len(too_long)} example(s) exceed seq_len={seq_len}; the longest, example"
-                f" {i} ({self.examples[i].prompt[:40]!r}), needs {n} tokens (prompt {self.rows[i][1]}): raise seq_len"
+                f" {self.examples[i].source or i} ({self.examples[i].prompt[:40]!r}), needs {n} tokens"
+                f" (prompt {self.rows[i][1]}): raise seq_len"
                 f" to at least {n} or pass truncate=True")
         if truncate:
             cut = [i for i, (ids, n_prompt, _) in enumerate(self.rows) if n_prompt >= seq_len]

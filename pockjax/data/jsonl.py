@@ -126,7 +126,7 @@ def load_alpaca_jsonl(path: str | os.PathLike) -> list[Example]:
         if not record["output"].strip():
             raise DataError(f"{where}: empty 'output': the answer trained on would be only the end of the turn;"
                             f" fill it in or leave the record out")
-        examples.append(Example(alpaca_prompt(record["instruction"], inp), record["output"], "jsonl"))
+        examples.append(Example(alpaca_prompt(record["instruction"], inp), record["output"], "jsonl", source=where))
     if not examples:
         raise DataError(f"{path} holds no records")
     return examples
@@ -192,7 +192,7 @@ def _chat_example(record: dict, where: str) -> Example:
     if not turns[-1][1].strip():
         raise DataError(f"{where}: the last assistant message (the answer trained on) is empty: it would train"
                         f" only the end of the turn; fill it in or leave the record out")
-    return Example(turns[-2][1], turns[-1][1], "jsonl", tuple(turns[:-2]))
+    return Example(turns[-2][1], turns[-1][1], "jsonl", tuple(turns[:-2]), source=where)
 
 
 def save_alpaca_jsonl(path: str | os.PathLike, examples, instruction: str | None = None) -> None:

@@ -66,6 +66,8 @@ class Example:
     #: Earlier turns of a conversation, ``((role, content), ...)``: context; its assistant
     #: replies are trained too (:func:`pockjax.data.encode_turns`).
     context: tuple = ()
+    #: Where it was read (``path:line``), named by errors about it; not part of its value.
+    source: str = dataclasses.field(default="", compare=False, repr=False)
 
     def messages(self, system: str | None = None, with_answer: bool = False) -> list[dict]:
         """The example as chat messages.
