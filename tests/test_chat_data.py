@@ -134,6 +134,7 @@ def test_a_template_that_renders_an_earlier_reply_elsewhere_is_refused():
                    {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]},
      "messages\\[0\\] \\(user\\) is empty"),
     ({"messages": [{"role": "bot", "content": "x"}, {"role": "assistant", "content": "y"}]}, "role 'bot'"),
+    ({"messages": [{"role": "system", "content": " "}, *CHAT["messages"][1:3]]}, "messages\\[0\\] \\(system\\) is empty"),
     ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]}, "string 'content'"),
     ({"messages": CHAT["messages"][1:3], "id": 7}, "only 'messages'"),
     ({"messages": [CHAT["messages"][1], CHAT["messages"][0], CHAT["messages"][1], CHAT["messages"][2]]},

@@ -174,6 +174,9 @@ def _chat_example(record: dict, where: str) -> Example:
             raise DataError(f"{where}: messages[{i}] holds an unpaired UTF-16 surrogate escape, which is not text")
         if m["role"] == "system" and i:
             raise DataError(f"{where}: messages[{i}]: a system message may only come first")
+        if m["role"] == "system" and not m["content"].strip():
+            raise DataError(f"{where}: messages[0] (system) is empty: it would render as a bare system turn in"
+                            f" place of the template's default; fill it in, or leave it out for the default")
         if m["role"] != "system":  # user, assistant, user, ...: what every chat template renders
             want = "user" if sum(r != "system" for r, _ in turns) % 2 == 0 else "assistant"
             if m["role"] != want:
