@@ -2,6 +2,7 @@
 context; every assistant reply is trained on."""
 
 import json
+import os
 
 import pytest
 
@@ -217,6 +218,25 @@ def test_a_held_out_record_is_never_trained_on(tmp_path):
             assert all("Paris" not in (e.answer, *(c for _, c in e.context)) for e in train), (seed, train)
             assert len(train) == 4  # the four others
     assert checked >= 2
+
+
+def test_a_run_on_a_relative_data_path_resumes_from_another_directory(tmp_path, monkeypatch):
+    # run.json held "d.jsonl" as given: resumed elsewhere it named another (or no) file
+    from pockjax.train import finetune
+    from test_finetune import cfg, tiny_model
+
+    tok = llama.Tokenizer.byte_level_for_tests()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _write(tmp_path / "a" / "d.jsonl", [{"instruction": f"Say {i}.", "output": f"{i}"} for i in range(8)])
+    monkeypatch.chdir(tmp_path / "a")
+    out = str(tmp_path / "run")
+    finetune(cfg(data="d.jsonl", out=out, steps=2, save_every=2, eval_examples=2), model=tiny_model(), tokenizer=tok,
+             log=lambda s: None)
+    assert json.load(open(os.path.join(out, "run.json")))["config"]["data"] == str(tmp_path / "a" / "d.jsonl")
+    monkeypatch.chdir(tmp_path / "b")
+    res = finetune(cfg(out=out, resume=True, steps=3), log=lambda s: None)
+    assert len(res.metrics["losses"]) == 3
 
 
 def test_chat_examples_round_trip_through_save(tmp_path):

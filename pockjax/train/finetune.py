@@ -702,6 +702,8 @@ def _validate(cfg: FinetuneConfig, steps_known: bool = True) -> None:
         # (an empty --data once trained the built-in task without a word)
         raise FinetuneError(f"--data must name a JSONL file, got {cfg.data!r}; leave it out to train the"
                             f" built-in --task")
+    if cfg.data is not None:  # run.json holds where it is, wherever --resume is run from later
+        cfg.data = os.path.abspath(os.fspath(cfg.data))
     if cfg.train_replies not in REPLIES:
         raise FinetuneError(f"--train-replies must be one of {', '.join(REPLIES)}, got {cfg.train_replies!r}")
     if cfg.seq_len is not None and cfg.max_seq_len is not None:
