@@ -626,6 +626,19 @@ def test_resume_of_an_older_run_refuses_an_edited_run_json(run4, tmp_path, field
         finetune(cfg(out=out, resume=True), **QUIET)
 
 
+def test_resume_refuses_examples_that_now_encode_to_other_rows(run4, tmp_path):
+    # (as another tokenizer or chat template would make them): the run would not continue as it started
+    out = str(tmp_path / "run")
+    shutil.copytree(run4, out)
+    _set_json(os.path.join(out, "state", "trainer.json"), lambda d: d.update(
+        sha256={k: v for k, v in d["sha256"].items() if k in ("model.safetensors", "state/opt_state.npz")}))
+    run = json.load(open(os.path.join(out, "run.json")))
+    seq_len = run["effective"]["seq_len"]
+    _set_json(os.path.join(out, "run.json"), lambda d: d["effective"].update(seq_len=seq_len + 8))
+    with pytest.raises(FinetuneError, match=f"examples now encode to other rows \\(seq_len {seq_len + 8} -> {seq_len}\\)"):
+        finetune(cfg(out=out, resume=True, steps=5), **QUIET)
+
+
 def test_resume_refuses_an_empty_digest_list(run4, tmp_path):
     # "sha256": {} once turned every check off without a word (a missing entry at least warns)
     out = str(tmp_path / "run")

@@ -1123,6 +1123,15 @@ def finetune(config: FinetuneConfig, *, model: Any = None, tokenizer: Any = None
                      shard(batch, mesh, {"**": PartitionSpec(None, batch_axes(mesh))}))
         return batch
 
+    if cfg.resume:  # the same data, options and weights must give the same rows as before
+        saved_shape = saved_run.get("effective", {})
+        now = {"seq_len": batcher.seq_len, "buckets": list(batcher.buckets), "answer_window": window}
+        changed = [f"{k} {saved_shape[k]} -> {v}" for k, v in now.items() if k in saved_shape and saved_shape[k] != v]
+        if changed:
+            raise FinetuneError(f"cannot resume {out}: its examples now encode to other rows ({'; '.join(changed)}),"
+                                f" so the run would not continue as it started; the tokenizer or its chat template"
+                                f" changed (another pockjax, tokenizers or jinja2 version?): start a new run in"
+                                f" another --out")
     t = time.time()
     # the step compiled for every row length the run pads to, before the first step (called
     # directly: a compiled function called with alternating shapes first tries its last one)
