@@ -274,15 +274,23 @@ def add_adapters(params: Any, scheme: UpdateScheme, *, seed: int = 0) -> Any:
     counter = [0]
 
     def adapt(path, x):
-        if is_lora(x):
-            return x
         rule, _ = scheme.rule_for(path)
+        if is_lora(x):  # kept, if they are the adapters the rule asks for (another rank or alpha was kept silently)
+            rank = int(np.shape(x.lora_a)[-1])
+            if isinstance(rule, Lora) and (rank != rule.rank or not math.isclose(float(x.scale), rule.scale)):
+                raise SchemeError(f"{path} already holds LoRA adapters of rank {rank} and scale {float(x.scale):g},"
+                                  f" but the scheme rules it {rule} (scale {rule.scale:g}): merge them first"
+                                  f" (pockjax.adapters.merge or scheme.merge) or use the rule they were made with")
+            return x
         if not isinstance(rule, Lora):
             return x
         shape = tuple(np.shape(x)) if not quant.is_qtensor(x) else tuple(x.shape)
         if len(shape) < 2:
             raise SchemeError(f"{path} has the rule {rule}, but a LoRA adapter needs a matrix (or a stack of"
                               f" matrices) and {path} has shape {shape}: rule it 'full' or 'frozen'")
+        if not quant.is_qtensor(x) and not jnp.issubdtype(np.dtype(x.dtype), jnp.floating):
+            raise SchemeError(f"{path} has the rule {rule}, but holds {np.dtype(x.dtype)} values: a LoRA update"
+                              f" of integers would be rounded away when merged; rule it 'frozen'")
         m, n = shape[-2:]
         if rule.rank > min(m, n):
             raise SchemeError(f"{path}: LoRA rank {rule.rank} is larger than the matrix {shape[-2:]} allows"

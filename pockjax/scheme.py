@@ -153,6 +153,8 @@ def lora(rank: int, alpha: float | None = None, dropout: float = 0.0) -> Lora:
     """
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
         raise SchemeError(f"lora(rank): rank must be a positive int, got {rank!r}")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.integer, np.floating))):
+        raise SchemeError(f"lora(alpha=...): alpha must be a finite number > 0, got {alpha!r}")
     alpha = float(rank if alpha is None else alpha)
     if not math.isfinite(alpha) or alpha <= 0:
         raise SchemeError(f"lora(alpha=...): alpha must be a finite number > 0, got {alpha!r}")
@@ -184,16 +186,28 @@ def channels(k: Union[int, float, None] = None, axis: int = -1, *, indices: Iter
     """
     if (k is None) == (indices is None):
         raise SchemeError("channels() takes exactly one of k (count or fraction) and indices=")
+    if not _is_int(axis):
+        raise SchemeError(f"channels(axis=...) must be a whole number, got {axis!r}")
     if indices is not None:
-        return Channels(count=None, axis=axis, indices=tuple(int(i) for i in indices))
+        idx = None if isinstance(indices, (str, bytes)) or not isinstance(indices, Iterable) else list(indices)
+        if idx is None or not all(_is_int(i) for i in idx):
+            # (1.5 was truncated to 1, and the string "12" read as [1, 2])
+            raise SchemeError(f"channels(indices=...) must be a list of whole numbers, got {indices!r}")
+        return Channels(count=None, axis=int(axis), indices=tuple(int(i) for i in idx))
     if isinstance(k, bool) or not isinstance(k, (int, float, np.integer, np.floating)):
         raise SchemeError(f"channels(k): k must be an int or a float fraction, got {k!r}")
-    if isinstance(k, (float, np.floating)) and not 0 < float(k) <= 1:
-        if float(k).is_integer():
-            k = int(k)
-        else:
-            raise SchemeError(f"channels(k): a fractional k must be in (0, 1], got {k}")
-    return Channels(count=k if isinstance(k, float) else int(k), axis=axis)
+    if isinstance(k, (float, np.floating)):
+        k = float(k)  # (a numpy float once went through int(): channels(np.float32(1.0)) trained 1 channel)
+        if not 0 < k <= 1:
+            if k.is_integer():
+                k = int(k)
+            else:
+                raise SchemeError(f"channels(k): a fractional k must be in (0, 1], got {k}")
+    else:
+        k = int(k)
+    if isinstance(k, int) and k < 1:
+        raise SchemeError(f"channels(k): a channel count must be at least 1, got {k}")
+    return Channels(count=k, axis=int(axis))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,11 +246,12 @@ def as_rule(rule: RuleLike) -> Rule:
         key = rule.strip().lower()
         if key in _RULE_NAMES:
             return _RULE_NAMES[key]
-        m = re.fullmatch(r"channels\(\s*([0-9.]+)\s*(?:,\s*(?:axis\s*=\s*)?(-?\d+)\s*)?\)", key)
+        number = r"(\d+(?:\.\d*)?|\.\d+)"  # one number: "1.2.3" and "." are no rule
+        m = re.fullmatch(r"channels\(\s*" + number + r"\s*(?:,\s*(?:axis\s*=\s*)?(-?\d+)\s*)?\)", key)
         if m:
             k = float(m.group(1)) if "." in m.group(1) else int(m.group(1))
             return channels(k, axis=int(m.group(2)) if m.group(2) else -1)
-        m = re.fullmatch(r"lora\(\s*([0-9]+)\s*(?:,\s*alpha\s*=\s*([0-9.]+)\s*)?\)", key)
+        m = re.fullmatch(r"lora\(\s*([0-9]+)\s*(?:,\s*alpha\s*=\s*" + number + r"\s*)?\)", key)
         if m:
             return lora(int(m.group(1)), alpha=float(m.group(2)) if m.group(2) else None)
         close = difflib.get_close_matches(key, list(_RULE_NAMES) + ["channels(k, axis=-1)", "lora(rank)"], n=2)
@@ -399,6 +414,14 @@ class UpdateScheme:
         for item in items:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
                 raise SchemeError(f"scheme rules must be (pattern, rule) pairs, got {item!r}")
+        seen = set()
+        for pattern, _ in items:  # (a repeat's rule never applied: the first one wins every path)
+            if pattern in seen:
+                raise SchemeError(f"scheme pattern {pattern!r} is given twice; give each pattern once, with"
+                                  f" the one rule it should have")
+            seen.add(pattern)
+        if not isinstance(strict, bool):
+            raise SchemeError(f"strict must be True or False, got {strict!r}")
         self.rules: tuple[tuple[str, Rule], ...] = tuple((p, as_rule(r)) for p, r in items)
         self.default: Rule = as_rule(default)
         self.name = name

@@ -107,6 +107,21 @@ def _key(name: str) -> str:
     return _ALIASES.get(key, key)
 
 
+#: Named schemes that train no number of last blocks: ``--blocks`` has no effect with them.
+_WHOLE_MODEL = ("full", "norm-only", "lora")
+
+
+def ignores_blocks(scheme: str) -> bool:
+    """Whether ``--scheme scheme`` makes ``--blocks`` meaningless (a whole-model scheme, by any
+    spelling the registry takes, or a scheme file): the commands refuse ``--blocks`` then.
+
+    Example:
+      >>> ignores_blocks("Norm"), ignores_blocks("LoRA"), ignores_blocks("paper")
+      (True, True, False)
+    """
+    return _key(scheme) in _WHOLE_MODEL or os.path.isfile(scheme)
+
+
 def register_family(name: str, is_config: Callable[[Any], bool]) -> None:
     """Declares a model family by a predicate on its configs.
 

@@ -100,3 +100,49 @@ def test_round_trip_dict():
     s = pockjax.UpdateScheme({"a.*": pockjax.channels(indices=[1, 3], axis=0), "b": "full"}, default="frozen", name="x")
     assert pockjax.UpdateScheme.from_dict(s.to_dict()) == s
     assert pockjax.UpdateScheme({"a": "channels(4, axis=0)"}).rules[0][1] == pockjax.channels(4, axis=0)
+
+
+# -- rules that were once read wrongly without a word ------------------------------------
+
+
+def test_numpy_fractions_stay_fractions():
+    # channels(np.float32(1.0)) went through int(): 1 channel instead of all 8
+    assert pockjax.channels(np.float32(1.0)).resolve("a.w", (4, 8)).count == 8
+    assert pockjax.channels(np.float64(0.5)).resolve("a.w", (4, 8)).count == 4
+    assert pockjax.channels(np.int64(3)).resolve("a.w", (4, 8)).count == 3
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: pockjax.channels(indices=[1.5, 2.7]), "must be a list of whole numbers"),  # was (1, 2)
+    (lambda: pockjax.channels(indices="12"), "must be a list of whole numbers"),  # was (1, 2)
+    (lambda: pockjax.channels(indices=5), "must be a list of whole numbers"),
+    (lambda: pockjax.channels(indices=np.zeros((2, 2), int)), "must be a list of whole numbers"),
+    (lambda: pockjax.channels(2, axis=0.0), "axis=...\\) must be a whole number"),
+    (lambda: pockjax.channels(0), "at least 1, got 0"),
+    (lambda: pockjax.lora(4, alpha=True), "alpha must be a finite number > 0"),
+    (lambda: pockjax.lora(4, alpha="8"), "alpha must be a finite number > 0"),
+    (lambda: pockjax.UpdateScheme([("a.w", "full"), ("a.w", "frozen")]), "'a.w' is given twice"),
+    (lambda: pockjax.UpdateScheme({"a.w": "full"}, strict="false"), "strict must be True or False"),
+    (lambda: pockjax.UpdateScheme({"a.w": "channels(1.2.3)"}), "unknown rule 'channels\\(1.2.3\\)'"),
+    (lambda: pockjax.UpdateScheme({"a.w": "channels(.)"}), "unknown rule"),
+    (lambda: pockjax.UpdateScheme({"a.w": "lora(4, alpha=1.2.3)"}), "unknown rule"),
+])
+def test_malformed_rules_are_refused_when_made(make, message):
+    with pytest.raises(pockjax.SchemeError, match=message):
+        make()
+    # the rule strings that are numbers still read
+    assert str(pockjax.UpdateScheme({"a": "channels(.5)", "b": "lora(8, alpha=16.)"}).rules[1][1]) == "lora(8, alpha=16)"
+
+
+def test_adapters_of_another_rank_or_scale_are_not_kept_silently():
+    import jax.numpy as jnp
+
+    params = {"wq": jnp.ones((8, 8)), "step": jnp.zeros((4, 4), jnp.int32)}
+    tuned = pockjax.add_adapters(params, pockjax.UpdateScheme({"wq": pockjax.lora(2)}, default="full"))
+    same = pockjax.add_adapters(tuned, pockjax.UpdateScheme({"wq": pockjax.lora(2)}, default="full"))
+    assert same["wq"] is tuned["wq"]  # the adapters the rule asks for: kept
+    for rule in (pockjax.lora(4), pockjax.lora(2, alpha=8)):
+        with pytest.raises(pockjax.SchemeError, match="already holds LoRA adapters of rank 2 and scale 1"):
+            pockjax.add_adapters(tuned, pockjax.UpdateScheme({"wq": rule}, default="full"))
+    with pytest.raises(pockjax.SchemeError, match="holds int32 values: a LoRA update of integers"):
+        pockjax.add_adapters(params, pockjax.UpdateScheme({"step": pockjax.lora(2)}, default="full"))

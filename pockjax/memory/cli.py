@@ -27,6 +27,7 @@ import sys
 import time
 
 from pockjax._cli_args import non_negative_finite_float, positive_finite_float, positive_int
+from pockjax.schemes import ignores_blocks
 
 __all__ = ["register", "run_memory", "run_plan"]
 
@@ -275,7 +276,7 @@ def _plan_inputs(args: argparse.Namespace):
 
 def _blocks_unused(args: argparse.Namespace) -> str | None:
     """Why ``--blocks`` has no effect with this ``--scheme``, or None (as finetune refuses it)."""
-    if args.blocks is not None and (args.scheme in ("full", "norm-only", "lora") or os.path.isfile(args.scheme)):
+    if args.blocks is not None and ignores_blocks(args.scheme):
         return (f"--blocks sets how many of the last blocks the paper and channels schemes train; --scheme"
                 f" {args.scheme} does not use it (leave it out)")
     return None

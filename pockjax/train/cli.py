@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from pockjax._cli_args import (StoreGiven, float_in, given_options, non_negative_finite_float,
@@ -11,6 +10,7 @@ from pockjax._cli_args import (StoreGiven, float_in, given_options, non_negative
 from pockjax.models.llama.mixed import DTYPES, QUANTIZE
 from pockjax.train.finetune import DEFAULT_LR, SCHEDULES, FinetuneConfig
 from pockjax.train.schemes import SCHEMES
+from pockjax.schemes import ignores_blocks
 
 _D = FinetuneConfig()
 _IMAGE_SIZE, _PER_CLASS = 64, 400  # the classifiers' defaults (ClassifierConfig)
@@ -43,6 +43,8 @@ def run_classifier(args: argparse.Namespace) -> int:
     if "fraction" in given and args.scheme != "channels":
         return _error("finetune", ValueError(f"--fraction is the 'channels' scheme's; --scheme {args.scheme}"
                                              " does not take it"))
+    if args.fail_below and "eval_examples" in given and args.eval_examples == 0:  # (the gate passed, unread)
+        return _error("finetune", ValueError("--fail-below gates on the held-out accuracy: --eval-examples is 0"))
     fields = {k: getattr(args, k) for k in ("model", "scheme", "blocks", "seed", "out")}
     # options left at the LLaMA run's defaults take the classifier's own
     for name in ("task", "optimizer", "lr", "steps", "batch_size", "eval_examples", "seq_len"):
@@ -118,7 +120,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     if "task" in given and args.data:  # the run would record a task it did not train on
         return _error("finetune", ValueError(f"--task {args.task} and --data {args.data}: the data file replaces"
                                              " the task; give one of them"))
-    if "blocks" in given and (args.scheme in ("full", "norm-only", "lora") or os.path.isfile(args.scheme)):
+    if "blocks" in given and ignores_blocks(args.scheme):
         return _error("finetune", ValueError(f"--blocks sets how many of the last blocks the paper and channels"
                                              f" schemes train; --scheme {args.scheme} does not use it (leave it out)"))
     fields = {k: getattr(args, k) for k in (

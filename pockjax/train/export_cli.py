@@ -23,6 +23,7 @@ import argparse
 import time
 
 from pockjax._cli_args import positive_finite_float, positive_int
+from pockjax.schemes import ignores_blocks
 
 
 def register(subparsers) -> None:
@@ -80,7 +81,7 @@ def run_export(args) -> int:
                                   ("--seq-len", args.seq_len != 64)) if given] if vision else
               [f for f, given in (("--num-classes", args.num_classes != 10), ("--image-size", args.image_size != 224))
                if given])
-    if args.blocks is not None and (args.scheme in ("full", "norm-only", "lora") or os.path.isfile(args.scheme)):
+    if args.blocks is not None and ignores_blocks(args.scheme):
         unused.append(f"--blocks (--scheme {args.scheme} trains no last blocks)")
     if unused:  # an option that would have no effect
         raise InputError(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not"
