@@ -296,7 +296,11 @@ def _glob_to_regex(pattern: str) -> re.Pattern:
                 piece += re.escape(c)
             j += 1
         out.append(piece + ("" if last else r"\."))
-    return re.compile("".join(out) + r"\Z")
+    try:
+        return re.compile("".join(out) + r"\Z")
+    except re.error as e:  # e.g. a range "[z-a]"
+        raise SchemeError(f"scheme pattern {pattern!r} is not a valid glob ({e}); see UpdateScheme's"
+                          f" pattern syntax") from None
 
 
 def glob_match(pattern: str, path: str) -> bool:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from collections.abc import Callable
 from typing import Any
@@ -203,6 +204,9 @@ def get_scheme(name: str, config: Any, *, blocks: int | None = None,
     key = _key(name)
     family = family_of(config)
     known = schemes(family)
+    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0 < float(fraction) <= 1:
+        # (2.0 was read as a count of 2 channels by channels())
+        raise SchemeError(f"the channel fraction must be in (0, 1], got {fraction!r}")
     if key not in known:
         raise SchemeError(f"unknown scheme {name!r}; use one of {', '.join(known)}"
                           f" or a path to a JSON scheme file")

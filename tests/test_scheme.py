@@ -146,3 +146,14 @@ def test_adapters_of_another_rank_or_scale_are_not_kept_silently():
             pockjax.add_adapters(tuned, pockjax.UpdateScheme({"wq": rule}, default="full"))
     with pytest.raises(pockjax.SchemeError, match="holds int32 values: a LoRA update of integers"):
         pockjax.add_adapters(params, pockjax.UpdateScheme({"step": pockjax.lora(2)}, default="full"))
+
+
+def test_a_bad_glob_and_a_fraction_above_one_are_refused():
+    from pockjax.models.llama import LlamaConfig
+    from pockjax.schemes import get_scheme
+
+    with pytest.raises(pockjax.SchemeError, match=r"'layers.\[z-a\].w' is not a valid glob"):
+        pockjax.UpdateScheme({"layers.[z-a].w": "full"})  # a raw re.error once
+    with pytest.raises(pockjax.SchemeError, match=r"channel fraction must be in \(0, 1\], got 2.0"):
+        get_scheme("channels", LlamaConfig.tiny(), fraction=2.0)  # read as 2 channels once
+    assert get_scheme("channels", LlamaConfig.tiny(), fraction=np.float32(0.25)).rules[0][1].count == 0.25
