@@ -98,7 +98,9 @@ def run_finetune(args: argparse.Namespace) -> int:
                                                  f" learning rate, without clipping, and write --out at the end"
                                                  f" (leave {'it' if len(llama_only) == 1 else 'them'} out)"))
         return run_classifier(args)
-    if args.image_size != _IMAGE_SIZE or args.train_per_class != _PER_CLASS or args.fraction != 0.5:
+    # (by what was given: --fraction 0.5, the default's value, was once taken and ignored)
+    classifier_only = {"image_size", "train_per_class", "fraction"} & given_options(args)
+    if classifier_only or args.image_size != _IMAGE_SIZE or args.train_per_class != _PER_CLASS or args.fraction != 0.5:
         return _error("finetune", ValueError("--image-size, --train-per-class and --fraction are for the"
                                              " classifiers (--model mobilenetv2 or all-minilm-l6-v2)"))
     from pockjax.data import TASKS
