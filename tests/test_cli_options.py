@@ -205,6 +205,7 @@ def test_classifier_options_with_no_effect_are_refused(capsys, argv, message):
     (["finetune", "--out", ""], "--out is empty"),
     (["plan", "--model", "tiny", "--scheme", "full", "--blocks", "1"], "--scheme full does not use it"),
     (["plan", "--model", "tiny", "--check"], "--check compares the per-device plan with a compile"),
+    (["plan", "--model", "tiny", "--fits", "1", "--budget-gb", "0.001"], "--budget-gb 0.001 would say nothing more"),
     (["export", "--model", "tiny", "--target", "cpu", "--arch", "sm_80", "--out", "x"], "name the CPU with --cpu"),
     (["export", "--model", "tiny", "--target", "cuda", "--cpu", "znver3", "--out", "x"], "--target cpu, arm64 or dsp; --target cuda is a GPU: name its architecture with --arch"),
     (["plan", "--model", "tiny", "--mesh", "foo=2", "--batch", "2"], "knows the axes data and fsdp, not foo"),

@@ -303,6 +303,11 @@ def run_plan(args: argparse.Namespace) -> int:
             return _error("plan", ValueError("--quantize, --fits and --dtype bf16 (frozen bf16, trained fp32)"
                                              " plan one device; not with --mesh/--devices"))
         return run_plan_per_device(args)
+    if args.fits and args.budget_gb is not None and not (args.dtype or args.quantize):
+        # (--fits alone prints the table of device sizes: a --budget-gb beside it was never read)
+        return _error("plan", ValueError(f"--fits tells whether each precision fits {', '.join(f'{g:g}' for g in args.fits)}"
+                                         f" GiB; --budget-gb {args.budget_gb:g} would say nothing more: add it to"
+                                         f" --fits, or give --dtype/--quantize for one precision's verdict"))
     if args.dtype or args.quantize or args.fits:
         return run_plan_precision(args)
     from pockjax.errors import PockjaxError
