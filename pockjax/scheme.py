@@ -576,6 +576,13 @@ class UpdateScheme:
             regexes = {pattern: regex for regex, pattern, _ in self._compiled}
             for p in unmatched:
                 shadowed = [q for q in paths if regexes[p].match(q)]
+                lora_owned = [q for q in shadowed if self.lora_part(q) is not None]
+                if lora_owned:  # (it once named itself as the earlier pattern that shadowed it)
+                    owners = sorted({self.lora_part(q)[1] for q in lora_owned} - {None})
+                    lines.append(f"  {p!r} matches {lora_owned[:5]}, parts of LoRA adapters: the LoRA rule of their"
+                                 f" tensor ({', '.join(map(repr, owners))}) rules them (lora_a and lora_b"
+                                 f" trained, base frozen); remove {p!r}")
+                    continue
                 if shadowed:
                     # the pattern names parameters, but an earlier pattern rules each of them
                     earlier = sorted({self.rule_for(q)[1] for q in shadowed} - {None})

@@ -157,3 +157,14 @@ def test_a_bad_glob_and_a_fraction_above_one_are_refused():
     with pytest.raises(pockjax.SchemeError, match=r"channel fraction must be in \(0, 1\], got 2.0"):
         get_scheme("channels", LlamaConfig.tiny(), fraction=2.0)  # read as 2 channels once
     assert get_scheme("channels", LlamaConfig.tiny(), fraction=np.float32(0.25)).rules[0][1].count == 0.25
+
+
+def test_a_pattern_naming_a_lora_part_is_told_its_owner():
+    import jax.numpy as jnp
+
+    params = pockjax.add_adapters({"l1": {"kernel": jnp.ones((4, 4))}}, pockjax.UpdateScheme({"l1.kernel": pockjax.lora(2)}))
+    scheme = pockjax.UpdateScheme([("l1.kernel", pockjax.lora(2)), ("l1.kernel.lora_a", "frozen")], default="full")
+    # it once said that an earlier pattern, 'l1.kernel.lora_a' itself, ruled them
+    with pytest.raises(pockjax.SchemeError, match=r"'l1.kernel.lora_a' matches \['l1.kernel.lora_a'\], parts of LoRA"
+                                                  r" adapters: the LoRA rule of their tensor \('l1.kernel'\)"):
+        scheme.resolve_tree(params)
