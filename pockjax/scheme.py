@@ -537,10 +537,17 @@ class UpdateScheme:
         """
         used = set()
         out = []
+        present = set(paths)
         for path, shape in zip(paths, shapes):
             part = self.lora_part(path)
             if part is not None:
                 rule, pattern, name = part
+                parent = path.rpartition(".")[0]
+                missing = [f"{parent}.{q}" for q in LORA_PARTS if f"{parent}.{q}" not in present]
+                if missing:  # a parameter of the model that happens to be named "base" (it was frozen silently)
+                    raise SchemeError(f"{parent} has the rule {rule}, but holds no adapter: {path} is a parameter"
+                                      f" of the model, not an adapter's part ({', '.join(missing)} missing); rule"
+                                      f" {path} itself, or add the adapters with pockjax.add_adapters")
                 if pattern is not None:
                     used.add(pattern)
                 out.append(Frozen() if name == "base" else Full())

@@ -168,3 +168,13 @@ def test_a_pattern_naming_a_lora_part_is_told_its_owner():
     with pytest.raises(pockjax.SchemeError, match=r"'l1.kernel.lora_a' matches \['l1.kernel.lora_a'\], parts of LoRA"
                                                   r" adapters: the LoRA rule of their tensor \('l1.kernel'\)"):
         scheme.resolve_tree(params)
+
+
+def test_a_parameter_named_base_under_a_lora_rule_is_no_adapter():
+    import jax.numpy as jnp
+
+    # {"emb": {"base": W}} with emb ruled lora(2): W was frozen as if it were an adapter's base
+    scheme = pockjax.UpdateScheme({"emb": pockjax.lora(2)}, default="full")
+    with pytest.raises(pockjax.SchemeError, match=r"emb has the rule lora\(2, alpha=2\), but holds no adapter: emb.base is"
+                                                  r" a parameter of the model"):
+        scheme.resolve_tree({"emb": {"base": jnp.ones((4, 4))}, "x": jnp.ones(3)})
