@@ -255,3 +255,22 @@ def test_evaluation_leaves_the_model_in_the_mode_it_came_in(mode):
     getattr(m, mode)()
     assert 0.0 <= evaluate_classifier(m, [np.ones((5, 4), np.float32)], np.zeros(5, np.int32)) <= 1.0
     assert m.drop.deterministic == (mode == "eval") and m.bn.use_running_average == (mode == "eval")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("train_per_class", -3, "--train-per-class must be a whole number >= 0, got -3"),  # dropped 3 of each class
+    ("eval_examples", 2.5, "--eval-examples must be a whole number >= 0, got 2.5"),
+    ("seed", -1, "--seed must be a whole number >= 0, got -1"),
+    ("out", "", "--out is empty"),  # trained, saved nothing
+])
+def test_classifier_config_is_checked_before_anything_loads(field, value, message):
+    from pockjax.train.classify import ClassifierConfig, finetune_classifier
+
+    with pytest.raises(pockjax.errors.InputError, match=message):
+        finetune_classifier(ClassifierConfig(model="mobilenetv2", **{field: value}))
+
+
+def test_evaluation_batch_size_must_be_positive():
+    m = _Tiny(nnx.Rngs(0))
+    with pytest.raises(pockjax.errors.InputError, match="batch_size must be a whole number >= 1, got -1"):
+        evaluate_classifier(m, [np.ones((5, 4), np.float32)], np.zeros(5, np.int32), batch_size=-1)  # was 0.0

@@ -197,6 +197,8 @@ def test_classifier_options_with_no_effect_are_refused(capsys, argv, message):
      "--fail-below gates on the held-out accuracy"),
     (["finetune", "--scheme", "Norm", "--blocks", "2"], "--scheme Norm does not use it"),
     (["finetune", "--fraction", "0.5"], "--fraction are for the classifiers"),
+    (["finetune", "--train-per-class", "400"], "--fraction are for the classifiers"),
+    (["finetune", "--model", "mobilenetv2", "--out", ""], "--out is empty"),
     (["finetune", "--scheme", "LoRA", "--blocks", "2"], "--scheme LoRA does not use it"),
     (["plan", "--model", "tiny", "--scheme", "Full", "--blocks", "2"], "--scheme Full does not use it"),
     (["finetune", "--train-replies", "last"], "--train-replies chooses what is trained of the chat records of --data"),

@@ -392,3 +392,34 @@ def test_tuned_model_directory_roundtrip(tmp_path):
     msgs = [{"role": "user", "content": "x"}]
     assert tok2.apply_chat_template(msgs) == tok.apply_chat_template(msgs)
     assert (tok2.eos_id, tok2.pad_id) == (tok.eos_id, tok.pad_id)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(batch_size=-1), "batch_size must be a whole number >= 1 or None, got -1"),  # returned no answers
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),     # decoded token 0 throughout
+    (dict(temperature=-1.0), "temperature must be a finite number >= 0"),            # decoded greedily
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(pad_to_multiple=0), "pad_to_multiple must be a whole number >= 1"),         # ZeroDivisionError
+    (dict(max_new_tokens=2.5), "max_new_tokens must be a whole number >= 1"),
+    (dict(prompts=[[1, 128]]), r"prompt 0 holds ids that are no token of the model's 128"),  # decoded zeros
+    (dict(prompts=[[-1]]), r"prompt 0 holds ids"),                                   # read as the last token
+    (dict(prompts=[[3.9]]), r"prompt 0 holds ids"),                                  # read as token 3
+    (dict(prompts=[5]), "prompt 0 must be a list of token ids"),
+])
+def test_generate_refuses_what_it_once_decoded_wrongly(kw, message):
+    from pockjax.errors import InputError
+    from pockjax.models.llama.generate import generate
+
+    model = llama.Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    kw = {"prompts": [[1, 2]], "max_new_tokens": 2, **kw}
+    with pytest.raises(InputError, match=message):
+        generate(model, kw.pop("prompts"), **kw)
+
+
+def test_generate_text_refuses_one_string():
+    from pockjax.errors import InputError
+    from pockjax.models.llama.generate import generate_text
+
+    model = llama.Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    with pytest.raises(InputError, match="prompts is one string"):  # each character was a prompt
+        generate_text(model, llama.Tokenizer.byte_level_for_tests(), "Hi")

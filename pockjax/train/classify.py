@@ -213,6 +213,8 @@ def evaluate_classifier(model, inputs: Sequence[np.ndarray], labels: np.ndarray,
     n = len(labels)
     if n == 0:
         raise InputError("no held-out examples to evaluate on")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise InputError(f"batch_size must be a whole number >= 1, got {batch_size!r}")  # (-1 gave 0.0)
     _check_labels(model, inputs, labels, "the held-out examples")
     modes = _modes(model)
     if hasattr(model, "eval"):
@@ -359,8 +361,12 @@ def _validate(cfg: ClassifierConfig, spec: ClassifierSpec, task: str) -> None:
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise InputError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
-    if cfg.eval_examples < 0:
-        raise InputError(f"--eval-examples must be >= 0, got {cfg.eval_examples}")
+    for name in ("eval_examples", "seed") + (("train_per_class",) if cfg.train_per_class is not None else ()):
+        v = getattr(cfg, name)  # (a negative train_per_class dropped that many examples of each class)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise InputError(f"--{name.replace('_', '-')} must be a whole number >= 0, got {v!r}")
+    if cfg.out is not None and not str(cfg.out).strip():  # (the run trained and saved nothing)
+        raise InputError("--out is empty: give the directory the run goes to, or leave it out")
     if not (0 < cfg.fraction <= 1):
         raise InputError(f"--fraction must be in (0, 1], got {cfg.fraction}")
 

@@ -80,6 +80,8 @@ def run_finetune(args: argparse.Namespace) -> int:
     if "train_replies" in given_options(args) and not args.data and not args.resume:
         return _error("finetune", ValueError("--train-replies chooses what is trained of the chat records of --data;"
                                              " a built-in task has none (give --data, or leave it out)"))
+    if args.out == "":  # (a classifier run once trained, saved nothing and exited 0)
+        return _error("finetune", ValueError("--out is empty: give the directory the run goes to"))
     if args.model in CLASSIFIERS:
         if mesh:
             return _error("finetune", ValueError("--mesh and --devices train the LLaMA models; the classifiers"
@@ -111,8 +113,6 @@ def run_finetune(args: argparse.Namespace) -> int:
                                              " are for --model mobilenetv2 / all-minilm-l6-v2)"))
 
     given = given_options(args)
-    if args.out == "":
-        return _error("finetune", ValueError("--out is empty: give the directory the run goes to"))
     if args.fail_below and args.eval_examples == 0:
         return _error("finetune", ValueError("--fail-below gates on the held-out accuracy: --eval-examples is 0"))
     if "show" in given and args.show and args.eval_examples == 0:
@@ -276,7 +276,7 @@ def register(subparsers) -> None:
                         " inside the step (LLaMA models)")
     p.add_argument("--image-size", type=positive_int, default=_IMAGE_SIZE, action=StoreGiven,
                    help="classifiers: image side in pixels (mobilenetv2)")
-    p.add_argument("--train-per-class", type=non_negative_int, default=_PER_CLASS,
+    p.add_argument("--train-per-class", type=non_negative_int, default=_PER_CLASS, action=StoreGiven,
                    help="classifiers: training examples per class (0: all)")
     p.add_argument("--fraction", type=probability, default=0.5, action=StoreGiven,
                    help="classifiers: the 'channels' scheme's fraction of output channels")

@@ -9,6 +9,7 @@ attention, so a prompt generates the same tokens alone or in a batch.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Sequence
 
 import jax
@@ -206,9 +207,31 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
       >>> [len(o) for o in out]
       [4, 4]
     """
-    if max_new_tokens < 1:
-        raise InputError("max_new_tokens must be at least 1")
-    prompts = [list(map(int, p)) for p in prompts]
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+    # (a NaN temperature decoded token 0 throughout, a negative one or a top_p outside (0, 1] greedily)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)) \
+            or not (math.isfinite(temperature) and temperature >= 0):
+        raise InputError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float, np.integer, np.floating)) or not 0 < top_p <= 1:
+        raise InputError(f"top_p must be in (0, 1], got {top_p!r}")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
+                                   or batch_size < 1):  # (-1 returned no answers at all)
+        raise InputError(f"batch_size must be a whole number >= 1 or None, got {batch_size!r}")
+    if isinstance(pad_to_multiple, bool) or not isinstance(pad_to_multiple, (int, np.integer)) or pad_to_multiple < 1:
+        raise InputError(f"pad_to_multiple must be a whole number >= 1, got {pad_to_multiple!r}")
+    vocab = model.config.vocab
+    checked = []
+    for i, p in enumerate(prompts):
+        a = None if isinstance(p, (str, bytes, int, np.integer)) else np.asarray(p)
+        if a is None or a.ndim != 1:
+            raise InputError(f"prompt {i} must be a list of token ids, got {type(p).__name__}")
+        if a.size and (not np.issubdtype(a.dtype, np.integer) or a.min() < 0 or a.max() >= vocab):
+            # (an id past the vocabulary decoded zeros, -1 the last token, 3.9 token 3)
+            raise InputError(f"prompt {i} holds ids that are no token of the model's {vocab}: give whole numbers"
+                             f" in [0, {vocab})")
+        checked.append([int(t) for t in a])
+    prompts = checked
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):
@@ -280,6 +303,8 @@ def generate_text(model: Llama, tokenizer: Any, prompts: Sequence[str | Sequence
       model, tok = load_pretrained("smollm2-135m")
       generate_text(model, tok, ["What is the capital of France?"], max_new_tokens=12)
     """
+    if isinstance(prompts, str):  # (each character was answered as a prompt of its own)
+        raise InputError("prompts is one string: give a list of prompts, e.g. [prompt]")
     ids = []
     for p in prompts:
         if isinstance(p, str) and not chat:
