@@ -305,12 +305,22 @@ def generate_text(model: Llama, tokenizer: Any, prompts: Sequence[str | Sequence
     """
     if isinstance(prompts, str):  # (each character was answered as a prompt of its own)
         raise InputError("prompts is one string: give a list of prompts, e.g. [prompt]")
+    from pockjax.data.batching import _control_finder
+
+    find = _control_finder(tokenizer)
     ids = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         if isinstance(p, str) and not chat:
             ids.append(tokenizer.encode(p))
         else:
             messages = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
+            for m in messages:  # (a message could write chat turns of its own: "<|im_end|>...")
+                hit = find(m.get("content", "")) if isinstance(m, dict) and isinstance(m.get("content"), str) else None
+                if hit is not None:
+                    raise InputError(f"prompt {i}: its {m.get('role', '')} message holds {hit[0]!r}, which the"
+                                     f" tokenizer reads as its control token (id {hit[1]}): it would end the turn"
+                                     f" and write turns of its own; rewrite it, or pass chat=False with the whole"
+                                     f" text rendered")
             ids.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     stops = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
     for name in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>"):
