@@ -77,7 +77,8 @@ def run_finetune(args: argparse.Namespace) -> int:
         request_host_devices(mesh)
     # Before JAX's first computation: each step reuses its working memory.
     pockjax.keep_step_memory(quiet=True)
-    if "train_replies" in given_options(args) and not args.data and not args.resume:
+    given = given_options(args)
+    if "train_replies" in given and not args.data and not args.resume:
         return _error("finetune", ValueError("--train-replies chooses what is trained of the chat records of --data;"
                                              " a built-in task has none (give --data, or leave it out)"))
     if args.out == "":  # (a classifier run once trained, saved nothing and exited 0)
@@ -93,7 +94,7 @@ def run_finetune(args: argparse.Namespace) -> int:
             return _error("finetune", ValueError("--grad-accum and --max-seq-len are for the LLaMA models; the"
                                                  " classifiers train on fixed-shape batches of --batch-size"))
         llama_only = [f"--{name.replace('_', '-')}" for name in ("schedule", "warmup", "grad_clip", "eval_every",
-                                                                 "save_every", "show") if name in given_options(args)]
+                                                                 "save_every", "show") if name in given]
         if llama_only:
             return _error("finetune", ValueError(f"{', '.join(llama_only)} {'is' if len(llama_only) == 1 else 'are'}"
                                                  f" for the LLaMA models; the classifiers train at a constant"
@@ -101,8 +102,7 @@ def run_finetune(args: argparse.Namespace) -> int:
                                                  f" (leave {'it' if len(llama_only) == 1 else 'them'} out)"))
         return run_classifier(args)
     # (by what was given: --fraction 0.5, the default's value, was once taken and ignored)
-    classifier_only = {"image_size", "train_per_class", "fraction"} & given_options(args)
-    if classifier_only or args.image_size != _IMAGE_SIZE or args.train_per_class != _PER_CLASS or args.fraction != 0.5:
+    if {"image_size", "train_per_class", "fraction"} & given:
         return _error("finetune", ValueError("--image-size, --train-per-class and --fraction are for the"
                                              " classifiers (--model mobilenetv2 or all-minilm-l6-v2)"))
     from pockjax.data import TASKS
@@ -112,7 +112,6 @@ def run_finetune(args: argparse.Namespace) -> int:
                                              f" {', '.join(sorted(TASKS))} (the vision and text tasks"
                                              " are for --model mobilenetv2 / all-minilm-l6-v2)"))
 
-    given = given_options(args)
     if args.fail_below and args.eval_examples == 0:
         return _error("finetune", ValueError("--fail-below gates on the held-out accuracy: --eval-examples is 0"))
     if "show" in given and args.show and args.eval_examples == 0:

@@ -581,20 +581,18 @@ def _examples(cfg: FinetuneConfig):
         held = [records[i] for i in order[:n_eval]]
         # no held-out prompt is trained on (a record given twice would be both): as train_eval_split
         asked = {(ex.prompt, ex.context) for ex in held}
-        # nor a held-out question with its answer in another setting (a system message, earlier turns)
+        # nor a held-out question with its answer in another setting (a system message, earlier turns);
+        # with every reply trained, nor a conversation with a held-out question and answer among its turns
+        # (which covers one that starts with a held-out conversation and its answer)
         pairs = {(ex.prompt, ex.answer) for ex in held}
-        # with every reply trained, neither is a conversation that starts with a held-out one and its answer,
-        # nor one with a held-out question and answer among its turns
-        answered = {tuple((m["role"], m["content"]) for m in ex.messages(with_answer=True)) for ex in held}
 
         def turns(ex):  # (user message, the assistant's reply) of the earlier turns
             c = ex.context
             return {(c[i][1], c[i + 1][1]) for i in range(len(c) - 1) if (c[i][0], c[i + 1][0]) == ("user", "assistant")}
 
         def held_in(ex):
-            return (ex.prompt, ex.context) in asked or (ex.prompt, ex.answer) in pairs or cfg.train_replies == "all" and (
-                any(ex.context[:i + 1] in answered for i, (role, _) in enumerate(ex.context) if role == "assistant")
-                or bool(turns(ex) & pairs))
+            return (ex.prompt, ex.context) in asked or (ex.prompt, ex.answer) in pairs or (
+                cfg.train_replies == "all" and bool(turns(ex) & pairs))
 
         train = [records[i] for i in order[n_eval:] if not held_in(records[i])]
         if not train:
