@@ -308,6 +308,25 @@ def test_generate_in_chunks_equals_one_batch(model):
     assert chunked == llama.generate(model, prompts, max_new_tokens=6)
 
 
+def test_generate_on_stacked_blocks_equals_unrolled(model):
+    # Generation runs block by block; a scanned model's blocks are read from its
+    # stacked weights inside each block's program, by index.
+    prompts = [[5, 9, 2], [7]]
+    assert llama.generate(llama.stack_layers(model), prompts, max_new_tokens=6) == \
+        llama.generate(model, prompts, max_new_tokens=6)
+
+
+def test_generate_pads_rows_after_all_stopped(model):
+    # Once every row has stopped the loop ends early; the answers are as if it ran on.
+    from pockjax.models.llama.generate import _LayerByLayer
+
+    full = llama.generate(model, [[1, 2, 3]], max_new_tokens=6)[0]
+    ids = _LayerByLayer(model)(jnp.array([[1, 2, 3]]), jnp.ones((1, 3), bool), jax.random.key(0),
+                               jnp.float32(1e-6), jnp.float32(1.0), jnp.array([full[1], -1, -1, -1]),
+                               jnp.int32(0), max_new_tokens=6, greedy=True)
+    assert ids.shape == (1, 6) and ids[0].tolist() == full[:2] + [0] * 4
+
+
 def test_generate_stops_at_stop_ids(model):
     out = llama.generate(model, [[1, 2, 3]], max_new_tokens=6)[0]
     stopped = llama.generate(model, [[1, 2, 3]], max_new_tokens=6, stop_ids=[out[2]])[0]

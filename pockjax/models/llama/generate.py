@@ -8,7 +8,6 @@ attention, so a prompt generates the same tokens alone or in a batch.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Sequence
 
@@ -18,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from pockjax.errors import InputError
-from pockjax.models.llama.model import Llama, decode_groups, init_cache, stack_layers
+from pockjax.models.llama.model import Llama
 
 __all__ = ["check_finite_weights", "generate", "generate_text", "sample_logits"]
 
@@ -83,94 +82,113 @@ def check_finite_weights(model: Llama, source: str = "the model") -> None:
                              f" its last good checkpoint")
 
 
-def _generate_impl(graphdef, state, tokens, valid, key, temperature, top_p, stop_ids, pad_id,
-                   *, max_new_tokens: int, greedy: bool, groups: tuple = ()):
-    # One scanned block compiles far faster than n_layers unrolled ones. With
-    # ``groups`` (graph definitions of scanned models, one per run of alike
-    # layers), ``state`` is ``(rest, stacks)``: the non-layer parameters and
-    # each group's stacked layers.
-    if groups:
-        rest, stacks = state
-        models = [nnx.merge(g, {**rest, "layers": stack}) for g, stack in zip(groups, stacks)]
-    else:
-        models = [stack_layers(nnx.merge(graphdef, state))]
-    head = models[0]
-    b, p = tokens.shape
-    total = p + max_new_tokens
-    dtype = jnp.float32 if groups else head.embed.embedding.dtype
-    caches = [init_cache(m.config, b, total, dtype) for m in models]
-    key_valid = jnp.concatenate([valid, jnp.ones((b, max_new_tokens), bool)], axis=1)
-    positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+class _LayerByLayer:
+    """Runs generation one block at a time, on ``model``'s weights as they are held.
 
-    def pick(logits, key):
-        if greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return sample_logits(logits, key, temperature, top_p)
-
-    logits, caches = decode_groups(models, tokens, positions, caches, 0, key_valid, last_only=True)
-    key, sub = jax.random.split(key)
-    first = pick(logits[:, -1], sub)
-    done = jnp.isin(first, stop_ids)
-    next_pos = positions[:, -1] + 1
-
-    def step(carry, i):
-        tok, pos, caches, done, key = carry
-        logits, caches = decode_groups(models, tok[:, None], pos[:, None], caches, p + i, key_valid)
-        key, sub = jax.random.split(key)
-        new = pick(logits[:, -1], sub)
-        new = jnp.where(done, pad_id, new)
-        done = done | jnp.isin(new, stop_ids)
-        return (new, pos + 1, caches, done, key), new
-
-    init = (first, next_pos, caches, done, key)
-    _, rest_tokens = jax.lax.scan(step, init, jnp.arange(max_new_tokens - 1))
-    return jnp.concatenate([first[:, None], rest_tokens.T], axis=1)
-
-
-def _layer_groups(weights) -> tuple[tuple, list, dict]:
-    """``(graph definitions, stacked layers, other params)``: one group per run of alike layers.
-
-    Layers are alike when their parameter trees match (structure, shapes,
-    dtypes): the frozen, quantized ones and the trained, float32 ones of a
-    sparse scheme form two groups. Stacking happens on the host (a QTensor
-    stacks its codes), so no float copy of a quantized matrix is made.
+    A decoding step is a few small compiled calls, issued from Python: the
+    embedding and rotary tables, then each block in turn (its KV cache in and
+    out), then the output projection and the sampler. Alike blocks share one
+    compiled program, so compilation stays as short as a scanned model's, and
+    no stacked copy of the blocks' weights is ever made (stacking them for one
+    scanned program held 490 MB more of SmolLM2 in float32). Quantized
+    weights are dequantized inside each block's program, right before each
+    product (:func:`~pockjax.transforms.dequantize.quantized_jit`).
     """
-    from pockjax.models.llama.mixed import graphdef_for
 
-    layers = weights.params["layers"]
-    n = weights.config.n_layers
+    def __init__(self, model):
+        from pockjax.models.llama.mixed import LlamaWeights, abstract_model
+        from pockjax.models.llama.model import split
 
-    def signature(i):
-        leaves, tree = jax.tree.flatten(layers[i])
-        return tree, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+        if isinstance(model, LlamaWeights):
+            params = model.params
+            ref = nnx.merge(model.graphdef, abstract_model(model.config)[1])
+            self.cache_dtype = jnp.float32
+        else:
+            params, ref = split(model)[1], model
+            self.cache_dtype = model.embed.embedding.dtype
+        cfg = self.config = model.config
+        self.rest = {k: v for k, v in params.items() if k != "layers"}
+        no_layers = cfg.slice_layers(0, 0).replace(scan_layers=False)  # the embedding, final norm and head
+        self.head = nnx.split(nnx.eval_shape(lambda: Llama(no_layers, rngs=nnx.Rngs(0), dtype=ref.embed.dtype,
+                                                           param_dtype=ref.embed.param_dtype)))[0]
+        if cfg.scan_layers:  # one program takes the stacked weights and the layer's index
+            fn = _block_fn(nnx.split(ref.layers)[0], stacked=True)
+            self.blocks = [(fn, params["layers"], (jnp.int32(i),)) for i in range(cfg.n_layers)]
+        else:
+            self.blocks = [(_block_fn(nnx.split(ref.layers[i])[0], stacked=False), params["layers"][i], ())
+                           for i in range(cfg.n_layers)]
 
-    runs, start = [], 0
-    for i in range(1, n + 1):
-        if i == n or signature(i) != signature(start):
-            runs.append((start, i))
-            start = i
-    graphdefs = tuple(graphdef_for(weights.config.slice_layers(a, b).replace(scan_layers=True)) for a, b in runs)
-    stacks = [jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[i] for i in range(a, b)]) for a, b in runs]
-    rest = {k: v for k, v in weights.params.items() if k != "layers"}
-    return graphdefs, stacks, rest
+    def __call__(self, tokens, valid, key, temperature, top_p, stop, pad_id, *, max_new_tokens: int,
+                 greedy: bool) -> np.ndarray:
+        cfg = self.config
+        prepare, pick = _head_fns(self.head, cfg, greedy)
+        b, p = tokens.shape
+        shape = (b, p + max_new_tokens, cfg.n_kv_heads, cfg.head_dim_)
+        caches = [(jnp.zeros(shape, self.cache_dtype), jnp.zeros(shape, self.cache_dtype)) for _ in self.blocks]
+        key_valid = jnp.concatenate([valid, jnp.ones((b, max_new_tokens), bool)], axis=1)
+        positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+        done = jnp.zeros((b,), bool)
+        tok, index, out = tokens, jnp.int32(0), []
+        for step in range(max_new_tokens):
+            x, tables, local = prepare(self.rest, tok, positions, index, key_valid)
+            for i, (fn, weights, extra) in enumerate(self.blocks):
+                layer_tables = local if local is not None and cfg.is_sliding(i) else tables
+                x, caches[i] = fn(weights, *extra, x, *layer_tables, caches[i], index)
+            tok, done, key = pick(self.rest, x[:, -1:], key, done, temperature, top_p, stop, pad_id)
+            out.append(tok)
+            if step + 1 == max_new_tokens or bool(done.all()):  # every row has stopped: the rest is padding
+                break
+            positions, index, tok = positions[:, -1:] + 1, jnp.int32(p + step), tok[:, None]
+        ids = np.stack([np.asarray(t) for t in out], axis=1)
+        pad = np.full((b, max_new_tokens - ids.shape[1]), int(pad_id), ids.dtype)
+        return np.concatenate([ids, pad], axis=1)
 
 
-_generate_jit = jax.jit(_generate_impl, static_argnames=("graphdef", "max_new_tokens", "greedy", "groups"))
-_MIXED: dict = {}
+_BLOCK_FNS: dict = {}
+_HEAD_FNS: dict = {}
 
 
-def _generate_mixed(groups, state, *args, max_new_tokens: int, greedy: bool):
-    # Quantized or mixed-dtype weights: each run of alike layers is stacked
-    # (codes and all) and scanned, and every frozen matrix is dequantized one
-    # layer at a time inside the loops, right before each product.
+def _block_fn(graphdef, *, stacked: bool):
+    """One block's compiled decoding call (cached per graph definition)."""
     from pockjax.transforms.dequantize import quantized_jit
 
-    key = (groups, max_new_tokens, greedy)
-    fn = _MIXED.get(key)
+    fn = _BLOCK_FNS.get((graphdef, stacked))
     if fn is None:
-        fn = _MIXED[key] = quantized_jit(functools.partial(
-            _generate_impl, None, max_new_tokens=max_new_tokens, greedy=greedy, groups=groups))
-    return fn(state, *args)
+        def block(params, *args):
+            if stacked:  # (the layer's slice of the stacked weights, read inside the program)
+                i, *args = args
+                params = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), params)
+            x, cos, sin, mask, cache, index = args
+            return nnx.merge(graphdef, params)(x, cos, sin, mask, cache, index)
+
+        fn = _BLOCK_FNS[(graphdef, stacked)] = quantized_jit(block)
+    return fn
+
+
+def _head_fns(graphdef, cfg, greedy: bool):
+    """``(prepare, pick)``: the embedding and tables of a step, and its next tokens from the last hidden state."""
+    from pockjax.models.llama.model import decode_tables
+    from pockjax.transforms.dequantize import quantized_jit
+
+    key = (graphdef, cfg, greedy)
+    if key in _HEAD_FNS:
+        return _HEAD_FNS[key]
+    sliding = cfg.is_sliding(*range(cfg.n_layers))
+
+    def prepare(rest, tokens, positions, index, key_valid):
+        tables, local = decode_tables(cfg, positions, index, key_valid, sliding)
+        return nnx.merge(graphdef, rest).embed_tokens(tokens), tables, local
+
+    def pick(rest, x, key, done, temperature, top_p, stop, pad_id):
+        logits = nnx.merge(graphdef, rest).logits_from_hidden(x)[:, -1]
+        key, sub = jax.random.split(key)
+        new = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy
+               else sample_logits(logits, sub, temperature, top_p))
+        new = jnp.where(done, pad_id, new)  # a row that has stopped only pads
+        return new, done | jnp.isin(new, stop), key
+
+    fns = _HEAD_FNS[key] = (quantized_jit(prepare), quantized_jit(pick))
+    return fns
 
 
 def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
@@ -244,13 +262,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
         raise InputError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds"
                          f" the model's context of {limit} tokens")
     pad_len = min(pad_len, limit - max_new_tokens)
-    from pockjax.models.llama.mixed import LlamaWeights
-
-    if isinstance(model, LlamaWeights):
-        groups, stacks, rest = _layer_groups(model)
-        graphdef, state, run = groups, (rest, stacks), _generate_mixed
-    else:
-        (graphdef, state), run = nnx.split(model), _generate_jit
+    run = _LayerByLayer(model)
     # Pad the stop list to a fixed size so that it does not change the compiled shape.
     stop_list = list(stop_ids)
     stop = jnp.asarray(stop_list + [-1] * (-len(stop_list) % 4 or (4 if not stop_list else 0)),
@@ -268,11 +280,9 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
             tokens[i, pad_len - len(p):] = p
             valid[i, pad_len - len(p):] = True
         key, sub = jax.random.split(key)
-        out = run(graphdef, state, jnp.asarray(tokens), jnp.asarray(valid), sub,
-                            jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p), stop,
-                            jnp.int32(pad_id), max_new_tokens=max_new_tokens,
-                            greedy=temperature <= 0.0)
-        out = np.asarray(out)[:rows]
+        out = run(jnp.asarray(tokens), jnp.asarray(valid), sub, jnp.float32(max(temperature, 1e-6)),
+                  jnp.float32(top_p), stop, jnp.int32(pad_id), max_new_tokens=max_new_tokens,
+                  greedy=temperature <= 0.0)[:rows]
         stop_set = set(int(s) for s in stop_ids)
         for row in out.tolist():
             cut = next((j for j, t in enumerate(row) if t in stop_set), len(row))

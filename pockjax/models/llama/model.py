@@ -57,6 +57,7 @@ __all__ = [
     "causal_mask",
     "causal_query_blocks",
     "decode_groups",
+    "decode_tables",
     "flatten_params",
     "init_cache",
     "merge",
@@ -628,6 +629,31 @@ class Llama(nnx.Module):
         return logits, cache
 
 
+def decode_tables(config: LlamaConfig, positions: jax.Array, cache_index: jax.Array | int,
+                  key_valid: jax.Array, sliding: bool) -> tuple[tuple, tuple | None]:
+    """The rotary tables and attention mask of a decoding step: ``((cos, sin, mask), local)``.
+
+    ``positions`` is ``(batch, seq)``: the queries go to cache slots
+    ``cache_index ..``. ``local`` is the same for the sliding-window layers
+    (Gemma 3) when ``sliding``, else None.
+
+    Example:
+      >>> (cos, sin, mask), local = decode_tables(LlamaConfig.tiny(), jnp.arange(3)[None], 0,
+      ...                                         jnp.arange(8)[None] < 3, sliding=False)
+      >>> cos.shape, mask.shape, local
+      ((1, 3, 16), (1, 3, 8), None)
+    """
+    t = positions.shape[1]
+    slots = cache_index + jnp.arange(t)
+    tables = (*rope_cos_sin(positions, config.head_dim_, config.rope_theta, _factors(config)),
+              causal_mask(slots, key_valid))
+    local = None
+    if sliding:
+        local = (*rope_cos_sin(positions, config.head_dim_, config.rope_local_theta or config.rope_theta, None),
+                 causal_mask(slots, key_valid, config.sliding_window))
+    return tables, local
+
+
 def decode_groups(models: list, tokens: jax.Array, positions: jax.Array, caches: list,
                   cache_index: jax.Array | int, key_valid: jax.Array, *, last_only: bool = False
                   ) -> tuple[jax.Array, list]:
@@ -635,9 +661,9 @@ def decode_groups(models: list, tokens: jax.Array, positions: jax.Array, caches:
 
     ``models[k]`` holds group ``k``'s blocks (scanned or unrolled) and
     ``caches[k]`` its :class:`KVCache`; the embedding, final norm and output
-    projection are ``models[0]``'s. Generation uses it for a model whose
-    layers differ in form (frozen ones quantized, trained ones in float32):
-    each run of alike layers is one ``lax.scan``.
+    projection are ``models[0]``'s: a model whose layers differ in form
+    (frozen ones quantized, trained ones in float32) decodes as one group per
+    run of alike layers, each one ``lax.scan``.
 
     Example:
       >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
@@ -649,14 +675,8 @@ def decode_groups(models: list, tokens: jax.Array, positions: jax.Array, caches:
       True
     """
     head = models[0]
-    cfg = head.config
-    t = tokens.shape[1]
-    cos, sin = rope_cos_sin(positions, cfg.head_dim_, cfg.rope_theta, _factors(cfg))
-    attn_mask = causal_mask(cache_index + jnp.arange(t), key_valid)
-    local = None
-    if any(m.config.is_sliding(*range(m.config.n_layers)) for m in models):
-        local = (*rope_cos_sin(positions, cfg.head_dim_, cfg.rope_local_theta or cfg.rope_theta, None),
-                 causal_mask(cache_index + jnp.arange(t), key_valid, cfg.sliding_window))
+    sliding = any(m.config.is_sliding(*range(m.config.n_layers)) for m in models)
+    (cos, sin, attn_mask), local = decode_tables(head.config, positions, cache_index, key_valid, sliding)
     x = head.embed_tokens(tokens)
     new = []
     for model, cache in zip(models, caches):
