@@ -259,7 +259,8 @@ def add_adapters(params: Any, scheme: UpdateScheme, *, seed: int = 0) -> Any:
       seed: the seed of the ``lora_a`` draws.
 
     Raises:
-      SchemeError: a LoRA-ruled tensor is not a matrix (or a stack of them).
+      SchemeError: a LoRA-ruled tensor is not a matrix, or has more than two
+        axes under a rule without ``stacked=True``.
 
     Example:
         >>> import jax.numpy as jnp, pockjax
@@ -288,6 +289,12 @@ def add_adapters(params: Any, scheme: UpdateScheme, *, seed: int = 0) -> Any:
         if len(shape) < 2:
             raise SchemeError(f"{path} has the rule {rule}, but a LoRA adapter needs a matrix (or a stack of"
                               f" matrices) and {path} has shape {shape}: rule it 'full' or 'frozen'")
+        if len(shape) > 2 and not rule.stacked:  # (it got one adapter per index of its leading axes, silently)
+            raise SchemeError(f"{path} has shape {shape}, more than a matrix's two axes: if its leading axes"
+                              f" index a stack of matrices (layers under lax.scan), rule it"
+                              f" pockjax.lora({rule.rank}, alpha={rule.alpha:g}, stacked=True) for an adapter"
+                              f" per matrix; a DenseGeneral kernel (features, heads, head_dim) is one matrix:"
+                              f" give the layer a 2-D kernel (nnx.Linear), or rule it 'full' or 'frozen'")
         if not quant.is_qtensor(x) and not jnp.issubdtype(np.dtype(x.dtype), jnp.floating):
             raise SchemeError(f"{path} has the rule {rule}, but holds {np.dtype(x.dtype)} values: a LoRA update"
                               f" of integers would be rounded away when merged; rule it 'frozen'")

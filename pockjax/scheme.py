@@ -121,6 +121,7 @@ class Lora:
     rank: int
     alpha: float
     dropout: float = 0.0
+    stacked: bool = False
 
     @property
     def scale(self) -> float:
@@ -128,14 +129,14 @@ class Lora:
 
     def __str__(self) -> str:
         alpha = int(self.alpha) if float(self.alpha).is_integer() else self.alpha
-        return f"lora({self.rank}, alpha={alpha})"
+        return f"lora({self.rank}, alpha={alpha}{', stacked=True' if self.stacked else ''})"
 
 
 #: Leaf names of a LoRA-ruled tensor's parts in the params tree.
 LORA_PARTS = ("base", "lora_a", "lora_b")
 
 
-def lora(rank: int, alpha: float | None = None, dropout: float = 0.0) -> Lora:
+def lora(rank: int, alpha: float | None = None, dropout: float = 0.0, *, stacked: bool = False) -> Lora:
     """A rule that trains a rank-``rank`` adapter of a matrix instead of the matrix (LoRA).
 
     Args:
@@ -143,11 +144,17 @@ def lora(rank: int, alpha: float | None = None, dropout: float = 0.0) -> Lora:
       alpha: the adapter's scale numerator; the update is ``alpha / rank * A @ B``
         (default: ``rank``, a scale of 1).
       dropout: dropout on the adapter's input; only 0.0 is supported so far.
+      stacked: the tensor's leading axes index a stack of matrices (layers
+        under ``lax.scan``): each matrix of its last two axes gets an adapter
+        of its own. Without it a tensor of more than two dimensions is
+        refused: a Flax ``DenseGeneral`` kernel ``(features, heads, head_dim)``
+        is one matrix, not a stack, and adapters per leading index would not
+        be the low-rank update LoRA means.
 
     Example:
         >>> import pockjax
         >>> pockjax.lora(8, alpha=16)
-        Lora(rank=8, alpha=16.0, dropout=0.0)
+        Lora(rank=8, alpha=16.0, dropout=0.0, stacked=False)
         >>> str(pockjax.lora(4)), pockjax.lora(4, alpha=8).scale
         ('lora(4, alpha=4)', 2.0)
     """
@@ -161,7 +168,9 @@ def lora(rank: int, alpha: float | None = None, dropout: float = 0.0) -> Lora:
     if dropout != 0.0:
         raise SchemeError(
             f"lora(dropout={dropout!r}): adapter dropout is not supported yet; use dropout=0.0")
-    return Lora(rank=int(rank), alpha=alpha, dropout=0.0)
+    if not isinstance(stacked, bool):
+        raise SchemeError(f"lora(stacked=...): stacked must be True or False, got {stacked!r}")
+    return Lora(rank=int(rank), alpha=alpha, dropout=0.0, stacked=stacked)
 
 
 Rule = Union[Full, Frozen, Channels, Lora]
@@ -251,9 +260,10 @@ def as_rule(rule: RuleLike) -> Rule:
         if m:
             k = float(m.group(1)) if "." in m.group(1) else int(m.group(1))
             return channels(k, axis=int(m.group(2)) if m.group(2) else -1)
-        m = re.fullmatch(r"lora\(\s*([0-9]+)\s*(?:,\s*alpha\s*=\s*" + number + r"\s*)?\)", key)
+        m = re.fullmatch(r"lora\(\s*([0-9]+)\s*(?:,\s*alpha\s*=\s*" + number + r"\s*)?"
+                         r"(,\s*stacked\s*=\s*true\s*)?\)", key)
         if m:
-            return lora(int(m.group(1)), alpha=float(m.group(2)) if m.group(2) else None)
+            return lora(int(m.group(1)), alpha=float(m.group(2)) if m.group(2) else None, stacked=bool(m.group(3)))
         close = difflib.get_close_matches(key, list(_RULE_NAMES) + ["channels(k, axis=-1)", "lora(rank)"], n=2)
         hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         raise UnknownRuleError(
@@ -268,11 +278,17 @@ def as_rule(rule: RuleLike) -> Rule:
 
 def _glob_to_regex(pattern: str) -> re.Pattern:
     segments = pattern.split(".")
+    segments = [seg for i, seg in enumerate(segments) if not (seg == "**" and i and segments[i - 1] == "**")]
     out = []
     for i, seg in enumerate(segments):
         last = i == len(segments) - 1
         if seg == "**":
-            out.append(".*" if last else r"(?:[^.]+\.)*")
+            if not last:
+                out.append(r"(?:[^.]+\.)*")
+            elif out:  # "a.**" matches "a" too: the separator goes with what follows it
+                out[-1] = out[-1][:-len(r"\.")] + r"(?:\..+)?"
+            else:
+                out.append(".*")
             continue
         piece = ""
         j = 0
@@ -313,6 +329,8 @@ def glob_match(pattern: str, path: str) -> bool:
         (True, True)
         >>> glob_match("layers.1*.w", "layers.12.w"), glob_match("layers.*", "layers.1.w")
         (True, False)
+        >>> glob_match("head.**", "head"), glob_match("head.**", "head.w.b"), glob_match("head.**", "headx")
+        (True, True, False)
     """
     return _glob_to_regex(pattern).match(path) is not None
 
@@ -344,17 +362,19 @@ def _decode_rule(rule: Any, where: str) -> Rule:
                                f" / {{\"lora\": r, \"alpha\": a}}, got {_json_kind(rule)}")
     keys = set(rule)
     if "lora" in keys:
-        if not keys <= {"lora", "alpha", "dropout"}:
+        if not keys <= {"lora", "alpha", "dropout", "stacked"}:
             raise UnknownRuleError(f"{where}: cannot read rule {dict(rule)!r}: a LoRA rule has the keys"
-                                   f" 'lora' (the rank) and optionally 'alpha' and 'dropout'")
+                                   f" 'lora' (the rank) and optionally 'alpha', 'dropout' and 'stacked'")
         rank, alpha, dropout = rule["lora"], rule.get("alpha"), rule.get("dropout", 0.0)
+        if not isinstance(rule.get("stacked", False), bool):
+            raise SchemeError(f"{where}: 'stacked' must be true or false, got {_json_kind(rule['stacked'])}")
         if not _is_int(rank):
             raise SchemeError(f"{where}: 'lora' (the rank) must be an integer, got {_json_kind(rank)}")
         for name, x in (("alpha", alpha), ("dropout", dropout)):
             if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float))):
                 raise SchemeError(f"{where}: {name!r} must be a number, got {_json_kind(x)}")
         try:
-            return lora(int(rank), alpha=alpha, dropout=dropout)
+            return lora(int(rank), alpha=alpha, dropout=dropout, stacked=rule.get("stacked", False))
         except SchemeError as e:
             raise type(e)(f"{where}: {e}") from None
     if keys not in ({"channels"}, {"channels", "axis"}, {"indices"}, {"indices", "axis"}):
@@ -657,7 +677,7 @@ class UpdateScheme:
                     d = {"indices": list(rule.indices), "axis": rule.axis}
                 return d
             if isinstance(rule, Lora):
-                return {"lora": rule.rank, "alpha": rule.alpha}
+                return {"lora": rule.rank, "alpha": rule.alpha, **({"stacked": True} if rule.stacked else {})}
             return str(rule)
 
         return {

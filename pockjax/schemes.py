@@ -57,7 +57,10 @@ __all__ = [
     "PAPER_TENSORS",
     "NamedScheme",
     "family_of",
+    "check_scheme",
     "get_scheme",
+    "ignores_blocks",
+    "ignores_fraction",
     "load_scheme_file",
     "paper_blocks",
     "register_family",
@@ -89,12 +92,15 @@ class NamedScheme:
       family: the model family it is for (``llama``), or ``"*"`` for every family.
       summary: one line for help texts.
       build: ``build(config, *, blocks, fraction) -> UpdateScheme``.
+      options: which of ``blocks`` and ``fraction`` the build reads (the
+        commands refuse ``--blocks`` / ``--fraction`` for the others).
     """
 
     name: str
     family: str
     summary: str
     build: Callable[..., UpdateScheme]
+    options: tuple[str, ...] = ()
 
 
 _SCHEMES: dict[tuple[str, str], NamedScheme] = {}
@@ -108,19 +114,37 @@ def _key(name: str) -> str:
     return _ALIASES.get(key, key)
 
 
-#: Named schemes that train no number of last blocks: ``--blocks`` has no effect with them.
-_WHOLE_MODEL = ("full", "norm-only", "lora")
+def _ignores(scheme: str, option: str, family: str) -> bool:
+    known = schemes(family).get(_key(scheme))
+    if known is None:  # a scheme file fixes its own rules; an unknown name fails where it is resolved
+        return os.path.isfile(scheme)
+    return option not in known.options
 
 
-def ignores_blocks(scheme: str) -> bool:
-    """Whether ``--scheme scheme`` makes ``--blocks`` meaningless (a whole-model scheme, by any
-    spelling the registry takes, or a scheme file): the commands refuse ``--blocks`` then.
+def ignores_blocks(scheme: str, family: str = "llama") -> bool:
+    """Whether ``--scheme scheme`` makes ``--blocks`` meaningless: a registered scheme of
+    ``family`` that trains no number of last blocks (by any spelling the registry
+    takes), or a scheme file. The commands refuse ``--blocks`` then.
 
     Example:
       >>> ignores_blocks("Norm"), ignores_blocks("LoRA"), ignores_blocks("paper")
       (True, True, False)
+      >>> import pockjax.models.mobilenetv2  # registers its family's schemes
+      >>> ignores_blocks("head-only", "mobilenetv2"), ignores_blocks("Last_Blocks", "mobilenetv2")
+      (True, False)
     """
-    return _key(scheme) in _WHOLE_MODEL or os.path.isfile(scheme)
+    return _ignores(scheme, "blocks", family)
+
+
+def ignores_fraction(scheme: str, family: str = "llama") -> bool:
+    """Whether ``--scheme scheme`` makes ``--fraction`` meaningless (all but ``channels``).
+
+    Example:
+      >>> import pockjax.models.bert  # registers its family's schemes
+      >>> ignores_fraction("Channels", "bert"), ignores_fraction("paper", "bert")
+      (False, True)
+    """
+    return _ignores(scheme, "fraction", family)
 
 
 def register_family(name: str, is_config: Callable[[Any], bool]) -> None:
@@ -149,8 +173,11 @@ def family_of(config: Any) -> str:
                       f" {', '.join(_FAMILIES)} (pass an UpdateScheme or a scheme file instead)")
 
 
-def register_scheme(name: str, family: str, summary: str):
+def register_scheme(name: str, family: str, summary: str, *, options: tuple[str, ...] = ()):
     """Decorator: registers ``build(config, *, blocks, fraction)`` as a named scheme.
+
+    ``options`` names the arguments the build reads (``"blocks"``,
+    ``"fraction"``); the commands refuse the others' flags.
 
     Example:
       >>> @register_scheme("last-norm", "llama", "the final RMSNorm only")
@@ -165,7 +192,9 @@ def register_scheme(name: str, family: str, summary: str):
         key = (family, name)
         if key in _SCHEMES:
             raise ValueError(f"scheme {name!r} is already registered for {family!r}")
-        _SCHEMES[key] = NamedScheme(name, family, summary, build)
+        if not set(options) <= {"blocks", "fraction"}:
+            raise ValueError(f"scheme options are 'blocks' and 'fraction', got {options!r}")
+        _SCHEMES[key] = NamedScheme(name, family, summary, build, tuple(options))
         return build
 
     return deco
@@ -208,9 +237,32 @@ def get_scheme(name: str, config: Any, *, blocks: int | None = None,
         # (2.0 was read as a count of 2 channels by channels())
         raise SchemeError(f"the channel fraction must be in (0, 1], got {fraction!r}")
     if key not in known:
-        raise SchemeError(f"unknown scheme {name!r}; use one of {', '.join(known)}"
-                          f" or a path to a JSON scheme file")
+        raise _unknown(name, family)
     return known[key].build(config, blocks=blocks, fraction=fraction)
+
+
+def _unknown(name: str, family: str) -> SchemeError:
+    return SchemeError(f"unknown scheme {name!r}; use one of {', '.join(schemes(family))}"
+                       f" or a path to a JSON scheme file")
+
+
+def check_scheme(name: str, family: str) -> None:
+    """Refuses, before any model is loaded, a ``--scheme`` that :func:`resolve_scheme` would refuse
+    by its name alone: a name ``family`` does not register, or a scheme file that is not valid.
+
+    Example:
+      >>> import pockjax.models.bert  # registers its family's schemes
+      >>> check_scheme("Head_Only", "bert")
+      >>> check_scheme("lora", "bert")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      pockjax.errors.SchemeError: unknown scheme 'lora'; use one of full, norm-only, paper, ... or a path to a JSON scheme file
+    """
+    if _key(name) in schemes(family):
+        return
+    if not (os.path.exists(name) or name.endswith(".json")):
+        raise _unknown(name, family)
+    load_scheme_file(name)
 
 
 def resolve_scheme(name: str, config: Any, *, blocks: int | None = None,
@@ -332,7 +384,8 @@ def _plural(n: int) -> str:
 
 @register_scheme("paper", "llama",
                  "attention wq/wk/wv/wo + FFN w1/w3 of the last N blocks (PockEngine;"
-                 " N = a third of the blocks, at least 10)")
+                 " N = a third of the blocks, at least 10)",
+                 options=("blocks",))
 def _llama_paper(config: Any, *, blocks: int | None = None, fraction: float = 0.5) -> UpdateScheme:
     n = paper_blocks(config.n_layers, blocks)
     last = range(config.n_layers - n, config.n_layers)
@@ -351,7 +404,8 @@ def _norm_only(config: Any, *, blocks: int | None = None, fraction: float = 0.5)
     return UpdateScheme.norm_only()
 
 
-@register_scheme("channels", "llama", "the paper scheme on a fraction (half) of each tensor's output channels")
+@register_scheme("channels", "llama", "the paper scheme on a fraction (half) of each tensor's output channels",
+                 options=("blocks", "fraction"))
 def _llama_channels(config: Any, *, blocks: int | None = None, fraction: float = 0.5) -> UpdateScheme:
     if config.scan_layers:
         raise SchemeError("the 'channels' scheme selects channels within each block; load the"

@@ -188,6 +188,51 @@ def test_classifier_options_with_no_effect_are_refused(capsys, argv, message):
 
 
 @pytest.mark.parametrize("argv, message", [
+    # --blocks with a scheme that trains no last blocks ran as if it were not given
+    (["--model", "mobilenetv2", "--scheme", "head-only", "--blocks", "2"], "--scheme head-only trains no number"),
+    (["--model", "all-minilm-l6-v2", "--scheme", "Bias_Only", "--blocks", "2"], "--scheme Bias_Only trains no"),
+    # these failed only once the model and data were loaded
+    (["--model", "mobilenetv2", "--scheme", "lora"], "unknown scheme 'lora'; use one of full, norm-only, paper"),
+    (["--model", "all-minilm-l6-v2", "--scheme", "never.json"], "scheme file not found: never.json"),
+])
+def test_classifier_options_are_refused_before_loading(monkeypatch, capsys, argv, message):
+    import pockjax.train.classify as classify
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(classify, "_load", never)
+    monkeypatch.setattr(classify, "_splits", never)
+    assert pockjax.cli.main(["finetune", *argv, "--steps", "1"]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"optimizer": "rmsprop"}, "unknown optimizer 'rmsprop'"),
+    ({"lr": float("nan")}, "the learning rate must be a finite number > 0"),
+    ({"scheme": "paper", "fraction": 0.25}, "--fraction is the 'channels' scheme's"),
+])
+def test_classifier_config_is_refused_before_loading(monkeypatch, fields, message):
+    import pockjax.train.classify as classify
+    from pockjax.errors import PockjaxError
+
+    monkeypatch.setattr(classify, "_load", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(classify, "_splits", lambda *a, **k: pytest.fail("the data was loaded"))
+    with pytest.raises(PockjaxError, match=message):
+        classify.finetune_classifier(classify.ClassifierConfig(model="mobilenetv2", steps=1, **fields))
+
+
+def test_classifier_fraction_is_taken_by_channels_in_any_spelling():
+    from pockjax.schemes import ignores_fraction
+    from pockjax.train.classify import CLASSIFIERS
+
+    # a case-sensitive compare refused "--scheme Channels --fraction 0.3"
+    assert not any(ignores_fraction(s, CLASSIFIERS[m].family) for s in ("Channels", "channels")
+                   for m in CLASSIFIERS)
+    assert ignores_fraction("paper", CLASSIFIERS["mobilenetv2"].family)
+
+
+@pytest.mark.parametrize("argv, message", [
     (["generate", "--prompt", "hi", "--top-p", "0.5"], "--top-p shapes sampling: give --temperature above 0"),
     (["generate", "--prompt", "hi", "--seed", "5"], "--seed shapes sampling"),
     (["generate", "--prompt", " "], "--prompt is empty"),

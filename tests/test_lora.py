@@ -55,6 +55,24 @@ def test_adapters_paths_rules_and_optimizer_state():
     assert pockjax.add_adapters(tuned, scheme)["wq"] is t
 
 
+def test_a_tensor_of_more_than_two_axes_needs_stacked():
+    # A DenseGeneral kernel (features, heads, head_dim) got one adapter per input feature, silently.
+    params = {"w": jnp.ones((4, 3, 8)), "v": jnp.ones((4, 6))}
+    with pytest.raises(SchemeError, match=r"w has shape \(4, 3, 8\).*stacked=True.*DenseGeneral"):
+        pockjax.add_adapters(params, pockjax.UpdateScheme({"w": pockjax.lora(2)}))
+    scheme = pockjax.UpdateScheme({"w": pockjax.lora(2, stacked=True)})
+    tuned = pockjax.add_adapters(params, scheme)
+    assert tuned["w"].lora_a.shape == (4, 3, 2) and tuned["w"].lora_b.shape == (4, 2, 8)  # one per matrix
+    # the option survives rule text and scheme files, and older files read as before
+    assert pockjax.scheme.as_rule(str(scheme.rules[0][1])) == pockjax.lora(2, stacked=True)
+    assert pockjax.UpdateScheme.from_dict(scheme.to_dict()) == scheme
+    assert scheme.to_dict()["rules"][0][1] == {"lora": 2, "alpha": 2.0, "stacked": True}
+    with pytest.raises(SchemeError, match="'stacked' must be true or false"):
+        pockjax.UpdateScheme.from_dict({"rules": [["w", {"lora": 2, "stacked": "yes"}]]})
+    with pytest.raises(SchemeError, match="stacked must be True or False"):
+        pockjax.lora(2, stacked=1)
+
+
 def test_guards_name_the_tensor():
     scheme = pockjax.UpdateScheme({"w": pockjax.lora(2)})
     with pytest.raises(SchemeError, match="w has the rule lora\\(2, alpha=2\\), but holds no adapter"):

@@ -26,6 +26,12 @@ PARAMS = {
         ("layers.[01].**", "layers.2.attn.wq.kernel", False),
         ("layers.[01].**", "layers.1.attn.wq.kernel", True),
         ("layers.?.attn.bias", "layers.1.attn.bias", True),
+        # a trailing ** may match nothing too (it once needed at least "head.")
+        ("head.**", "head", True),
+        ("head.**", "head.kernel", True),
+        ("head.**", "header", False),
+        ("head.**.**", "head", True),
+        ("a.**.**.b", "a.x.b", True),
     ],
 )
 def test_glob(pattern, path, expected):

@@ -35,8 +35,8 @@ import numpy as np
 
 from pockjax.data.tasks import Example
 
-__all__ = ["BUCKETS", "REPLIES", "Batcher", "SequenceLengthError", "choose_buckets", "collate", "encode_example",
-           "encode_turns", "end_of_turn_id", "refuse_control_text"]
+__all__ = ["BUCKETS", "REPLIES", "Batcher", "SequenceLengthError", "choose_buckets", "collate", "control_finder",
+           "encode_example", "encode_turns", "end_of_turn_id", "refuse_control_text"]
 
 #: What :class:`Batcher` trains of a conversation: every assistant reply, or the last.
 REPLIES = ("all", "last")
@@ -90,10 +90,17 @@ def _structure_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
-def _control_finder(tokenizer: Any):
+def control_finder(tokenizer: Any):
     """``find(text) -> (control token, id) | None``: the first control token that structures a
     chat (:func:`_structure_ids`) written in ``text`` (by position), found by set lookups of
-    each length at each candidate first character."""
+    each length at each candidate first character.
+
+    Example:
+      >>> from pockjax.models.llama import Tokenizer
+      >>> find = control_finder(Tokenizer.byte_level_for_tests())
+      >>> find("a plain question"), find("a<|im_end|> forged turn")[0]
+      (None, '<|im_end|>')
+    """
     control = tokenizer.control_tokens() if hasattr(tokenizer, "control_tokens") else {}
     if control:
         structure = _structure_ids(tokenizer)
@@ -136,7 +143,7 @@ def refuse_control_text(tokenizer: Any, examples: Sequence[Example], system: str
     """
     from pockjax.errors import DataError
 
-    find = _control_finder(tokenizer)
+    find = control_finder(tokenizer)
     for i, ex in enumerate(examples):
         fields = [("system message", system or ""), *((f"{r} turn", c) for r, c in ex.context),
                   ("prompt", ex.prompt), ("answer", ex.answer)]

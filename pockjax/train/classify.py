@@ -52,6 +52,7 @@ from pockjax.errors import InputError, NonFiniteError, UnknownModelError, Unknow
 from pockjax.io.atomic import atomic_directory, write_json
 from pockjax.io.safetensors import write_safetensors
 from pockjax.paths import leaf_paths
+from pockjax.schemes import check_scheme, ignores_blocks, ignores_fraction
 
 __all__ = [
     "CLASSIFIERS",
@@ -78,20 +79,22 @@ class ClassifierSpec:
         or ``"text"`` (:data:`pockjax.data.text_classification.TEXT_TASKS`).
       default_task: the task ``--task`` defaults to for this model.
       summary: one line for ``--help``.
+      family: the scheme family of its config (:func:`pockjax.schemes.family_of`).
     """
 
     name: str
     kind: str
     default_task: str
     summary: str
+    family: str
 
 
 #: ``--model`` names of the classifiers, by name.
 CLASSIFIERS: dict[str, ClassifierSpec] = {
     "mobilenetv2": ClassifierSpec("mobilenetv2", "vision", "mnist5k",
-                                  "MobileNetV2 with torchvision's ImageNet weights"),
+                                  "MobileNetV2 with torchvision's ImageNet weights", "mobilenetv2"),
     "all-minilm-l6-v2": ClassifierSpec("all-minilm-l6-v2", "text", "tweet_polarity",
-                                       "sentence-transformers' all-MiniLM-L6-v2 BERT encoder"),
+                                       "sentence-transformers' all-MiniLM-L6-v2 BERT encoder", "bert"),
 }
 
 
@@ -369,6 +372,20 @@ def _validate(cfg: ClassifierConfig, spec: ClassifierSpec, task: str) -> None:
         raise InputError("--out is empty: give the directory the run goes to, or leave it out")
     if not (0 < cfg.fraction <= 1):
         raise InputError(f"--fraction must be in (0, 1], got {cfg.fraction}")
+    # what is refused by name is refused before the model loads
+    _register_schemes(spec)
+    check_scheme(cfg.scheme, spec.family)
+    if cfg.blocks is not None and ignores_blocks(cfg.scheme, spec.family):  # (it trained as if not given)
+        raise InputError(f"--blocks: --scheme {cfg.scheme} trains no number of last blocks; leave --blocks out")
+    if cfg.fraction != ClassifierConfig.fraction and ignores_fraction(cfg.scheme, spec.family):
+        raise InputError(f"--fraction is the 'channels' scheme's; --scheme {cfg.scheme} does not take it")
+    _optimizer(cfg.optimizer, _lr(cfg))  # an unknown optimizer or a bad learning rate
+
+
+def _register_schemes(spec: ClassifierSpec) -> None:
+    import importlib
+
+    importlib.import_module(f"pockjax.models.{spec.family}")
 
 
 def _variables(model) -> dict[str, np.ndarray]:

@@ -30,7 +30,8 @@ def _bad_input():
 
 def run_classifier(args: argparse.Namespace) -> int:
     """``pockjax finetune --model mobilenetv2|all-minilm-l6-v2``: a classifier on a shipped task."""
-    from pockjax.train.classify import ClassifierConfig, finetune_classifier
+    from pockjax.schemes import ignores_fraction
+    from pockjax.train.classify import CLASSIFIERS, ClassifierConfig, finetune_classifier
 
     given = given_options(args)
     if args.resume or args.data or "seq_len" in given and args.model == "mobilenetv2":
@@ -40,7 +41,7 @@ def run_classifier(args: argparse.Namespace) -> int:
     # an option that would have no effect, recorded in run.json as if it had, is refused
     if "image_size" in given and args.model != "mobilenetv2":
         return _error("finetune", ValueError(f"--image-size is for --model mobilenetv2, not {args.model}"))
-    if "fraction" in given and args.scheme != "channels":
+    if "fraction" in given and ignores_fraction(args.scheme, CLASSIFIERS[args.model].family):
         return _error("finetune", ValueError(f"--fraction is the 'channels' scheme's; --scheme {args.scheme}"
                                              " does not take it"))
     if args.fail_below and "eval_examples" in given and args.eval_examples == 0:  # (the gate passed, unread)

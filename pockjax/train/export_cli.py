@@ -81,7 +81,9 @@ def run_export(args) -> int:
                                   ("--seq-len", args.seq_len != 64)) if given] if vision else
               [f for f, given in (("--num-classes", args.num_classes != 10), ("--image-size", args.image_size != 224))
                if given])
-    if args.blocks is not None and ignores_blocks(args.scheme):
+    if vision:
+        import pockjax.models.mobilenetv2  # noqa: F401  (registers its family's schemes)
+    if args.blocks is not None and ignores_blocks(args.scheme, "mobilenetv2" if vision else "llama"):
         unused.append(f"--blocks (--scheme {args.scheme} trains no last blocks)")
     if unused:  # an option that would have no effect
         raise InputError(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not"

@@ -86,7 +86,7 @@ def _label(kind: str, n: int, config: BertConfig) -> str:
 
 @register_scheme("paper", FAMILY,
                  "attention q/k/v/o + FFN up (kernels and biases) of the last N layers, and the"
-                 " head (PockEngine; N = half the layers)")
+                 " head (PockEngine; N = half the layers)", options=("blocks",))
 def _paper(config: BertConfig, *, blocks: int | None = None, fraction: float = 0.5
            ) -> UpdateScheme:
     n = encoder_blocks(config.layers, blocks)
@@ -96,7 +96,8 @@ def _paper(config: BertConfig, *, blocks: int | None = None, fraction: float = 0
 
 
 @register_scheme("channels", FAMILY,
-                 "the paper scheme on a fraction (half) of each tensor's output channels")
+                 "the paper scheme on a fraction (half) of each tensor's output channels",
+                 options=("blocks", "fraction"))
 def _channels(config: BertConfig, *, blocks: int | None = None, fraction: float = 0.5
               ) -> UpdateScheme:
     n = encoder_blocks(config.layers, blocks)
@@ -113,7 +114,7 @@ def _bias_only(config: BertConfig, *, blocks: int | None = None, fraction: float
     return UpdateScheme(rules + _head(config), name="bias-only")
 
 
-@register_scheme("last-blocks", FAMILY, "every parameter of the last N layers, and the head")
+@register_scheme("last-blocks", FAMILY, "every parameter of the last N layers, and the head", options=("blocks",))
 def _last_blocks(config: BertConfig, *, blocks: int | None = None, fraction: float = 0.5
                  ) -> UpdateScheme:
     n = encoder_blocks(config.layers, blocks)

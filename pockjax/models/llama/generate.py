@@ -315,9 +315,9 @@ def generate_text(model: Llama, tokenizer: Any, prompts: Sequence[str | Sequence
     """
     if isinstance(prompts, str):  # (each character was answered as a prompt of its own)
         raise InputError("prompts is one string: give a list of prompts, e.g. [prompt]")
-    from pockjax.data.batching import _control_finder
+    from pockjax.data.batching import control_finder
 
-    find = _control_finder(tokenizer)
+    find = control_finder(tokenizer)
     ids = []
     for i, p in enumerate(prompts):
         if isinstance(p, str) and not chat:

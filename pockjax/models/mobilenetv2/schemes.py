@@ -85,14 +85,15 @@ def _paper_rules(chosen: list[int], rule: Any) -> list[tuple[str, Any]]:
 
 @register_scheme("paper", FAMILY,
                  "expand (first point-wise) conv + BatchNorm biases of the last N blocks (those with"
-                 " an expand conv), last conv's bias, head (PockEngine; N = a third of the blocks, at least 10)")
+                 " an expand conv), last conv's bias, head (PockEngine; N = a third of the blocks, at least 10)",
+                 options=("blocks",))
 def _paper(config: Any, *, blocks: int | None = None, fraction: float = 0.5) -> UpdateScheme:
     chosen = expand_paper_blocks(config, blocks)
     return UpdateScheme(_paper_rules(chosen, "full"), name=f"paper (last {_plural(len(chosen))})")
 
 
 @register_scheme("channels", FAMILY,
-                 "paper with a fraction (half) of the expand convs' output channels")
+                 "paper with a fraction (half) of the expand convs' output channels", options=("blocks", "fraction"))
 def _channels(config: Any, *, blocks: int | None = None, fraction: float = 0.5) -> UpdateScheme:
     chosen = expand_paper_blocks(config, blocks)
     return UpdateScheme(_paper_rules(chosen, channels(float(fraction))),
@@ -104,7 +105,7 @@ def _bias_only(config: Any, *, blocks: int | None = None, fraction: float = 0.5)
     return UpdateScheme(_BIASES_AND_HEAD, name="bias-only")
 
 
-@register_scheme("last-blocks", FAMILY, "every parameter of the last N blocks + last conv + head")
+@register_scheme("last-blocks", FAMILY, "every parameter of the last N blocks + last conv + head", options=("blocks",))
 def _last_blocks(config: Any, *, blocks: int | None = None, fraction: float = 0.5) -> UpdateScheme:
     n = paper_blocks(config.n_blocks, blocks)
     return UpdateScheme([(f"blocks.{i}.**", "full") for i in range(config.n_blocks - n, config.n_blocks)]
