@@ -54,6 +54,7 @@ __all__ = [
     "QuantizationError",
     "abstract",
     "dequantize",
+    "dequantize_host",
     "dequantize_tree",
     "from_gguf_blocks",
     "is_qtensor",
@@ -187,10 +188,10 @@ def tree_nbytes(tree) -> int:
 
 
 # -- dequantization (traceable) ---------------------------------------------------
-def _unpack4(q):
+def _unpack4(q, xp=jnp):
     # (..., rows, nb * 16) bytes -> (..., rows, nb, 32) codes in GGUF's order
     blocks = q.reshape(q.shape[:-1] + (q.shape[-1] // 16, 16))
-    return jnp.concatenate([blocks & 0x0F, blocks >> 4], axis=-1)
+    return xp.concatenate([blocks & 0x0F, blocks >> 4], axis=-1)
 
 
 def dequantize(qt: QTensor, dtype: Any = None) -> jax.Array:
@@ -205,21 +206,39 @@ def dequantize(qt: QTensor, dtype: Any = None) -> jax.Array:
         >>> dequantize(qt)[0, :2].tolist(), dequantize(qt)[0, -1].tolist()  # 4 bits: 15 codes of -8..7
         ([1.0, 1.0], -0.875)
     """
+    return _dequantize(qt, dtype, jnp)
+
+
+def dequantize_host(qt: QTensor, dtype: Any = None) -> np.ndarray:
+    """:func:`dequantize` in numpy, on the host: no JAX operation runs.
+
+    What writing a checkpoint uses: each tensor's value is computed, written and
+    dropped, with no compiled program or device buffer left behind.
+
+    Example:
+        >>> qt = quantize(np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32), "q4_1")
+        >>> bool((dequantize_host(qt) == np.asarray(dequantize(qt))).all())
+        True
+    """
+    return _dequantize(qt, dtype, np)
+
+
+def _dequantize(qt: QTensor, dtype: Any, xp) -> Any:
     dtype = qt.dtype if dtype is None else np.dtype(dtype)
-    q = jnp.asarray(qt.q)
+    q = xp.asarray(qt.q)
     if qt.qtype == "bf16":
         value = q.astype(dtype)
-        return jnp.swapaxes(value, -1, -2) if qt.transposed else value
-    scale = jnp.asarray(qt.scale).astype(jnp.float32)[..., None]
+        return xp.swapaxes(value, -1, -2) if qt.transposed else value
+    scale = xp.asarray(qt.scale).astype(np.float32)[..., None]
     if qt.qtype == "q8_0":
-        codes = q.reshape(q.shape[:-1] + (q.shape[-1] // BLOCK, BLOCK)).astype(jnp.float32)
+        codes = q.reshape(q.shape[:-1] + (q.shape[-1] // BLOCK, BLOCK)).astype(np.float32)
         value = scale * codes
     elif qt.qtype == "q4_0":
-        value = scale * (_unpack4(q).astype(jnp.float32) - 8.0)
+        value = scale * (_unpack4(q, xp).astype(np.float32) - np.float32(8.0))
     else:
-        value = scale * _unpack4(q).astype(jnp.float32) + jnp.asarray(qt.min).astype(jnp.float32)[..., None]
+        value = scale * _unpack4(q, xp).astype(np.float32) + xp.asarray(qt.min).astype(np.float32)[..., None]
     value = value.reshape(qt.stored_shape).astype(dtype)
-    return jnp.swapaxes(value, -1, -2) if qt.transposed else value
+    return xp.swapaxes(value, -1, -2) if qt.transposed else value
 
 
 def dequantize_tree(tree, dtype: Any = None):

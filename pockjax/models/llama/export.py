@@ -167,7 +167,7 @@ def _float_params(model: Any) -> dict[str, np.ndarray]:
     params = model.params if isinstance(model, LlamaWeights) else split(model)[1]
     flat = {}
     for path, v in flatten_params(params).items():
-        v = quant.dequantize(v, np.float32) if quant.is_qtensor(v) else v
+        v = quant.dequantize_host(v, np.float32) if quant.is_qtensor(v) else v
         flat[path] = np.asarray(v, np.float32)
     return unstack_layers(flat, model.config.n_layers) if model.config.scan_layers else flat
 

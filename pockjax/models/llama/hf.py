@@ -366,12 +366,12 @@ def save_hf_checkpoint(model: Any, path: str | os.PathLike, *, dtype: Any = np.f
 
     def transposed(v):
         if quant.is_qtensor(v):
-            return LazyTensor(v.shape[::-1], np.float32, lambda: np.asarray(quant.dequantize(v, np.float32)).T)
+            return LazyTensor(v.shape[::-1], np.float32, lambda: quant.dequantize_host(v, np.float32).T)
         return v.T
 
     def whole(v):
         if quant.is_qtensor(v):
-            return LazyTensor(v.shape, np.float32, lambda: np.asarray(quant.dequantize(v, np.float32)))
+            return LazyTensor(v.shape, np.float32, lambda: quant.dequantize_host(v, np.float32))
         return v
     if cfg.scan_layers:
         flat = unstack_layers(flat, cfg.n_layers)
