@@ -122,6 +122,18 @@ def test_scalars_keep_their_shape_and_metadata_must_be_strings(tmp_path):
     assert float(read_safetensors(path)["t"]) == 2.0  # refused before anything was written
 
 
+def test_views_and_big_endian_arrays_are_written_as_stored(tmp_path):
+    # Each array takes its stored form (C order, little-endian) as it is written, one at a time.
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    path = tmp_path / "v.safetensors"
+    write_safetensors(path, {"t": x.T, "step": x[:, ::2], "be": np.arange(5, dtype=">f8"), "z": np.zeros((0, 3))})
+    back = read_safetensors(path)
+    np.testing.assert_array_equal(back["t"], x.T)
+    np.testing.assert_array_equal(back["step"], x[:, ::2])
+    assert back["be"].dtype == np.float64 and back["be"].tolist() == [0, 1, 2, 3, 4]
+    assert back["z"].shape == (0, 3)
+
+
 def test_overlapping_and_gapped_tensors(tmp_path):
     both = {"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
             "b": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}

@@ -316,6 +316,18 @@ def test_generate_on_stacked_blocks_equals_unrolled(model):
         llama.generate(model, prompts, max_new_tokens=6)
 
 
+def test_generation_reads_the_blocks_weights_in_place(model):
+    # Stacking the blocks for one scanned program copied every weight (490 MB of SmolLM2);
+    # each block's program now takes the model's own arrays.
+    from pockjax.models.llama.generate import _LayerByLayer
+
+    runner = _LayerByLayer(model)
+    params = llama.split(model)[1]["layers"]
+    assert len(runner.blocks) == model.config.n_layers
+    for i, (_, weights, extra) in enumerate(runner.blocks):
+        assert extra == () and all(a is b for a, b in zip(jax.tree.leaves(weights), jax.tree.leaves(params[i])))
+
+
 def test_generate_pads_rows_after_all_stopped(model):
     # Once every row has stopped the loop ends early; the answers are as if it ran on.
     from pockjax.models.llama.generate import _LayerByLayer

@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from typing import Any
@@ -257,13 +258,16 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, Any],
         if not isinstance(name, str):
             raise ValueError(f"safetensors tensor names are strings; not {name!r}")
         if not isinstance(a, LazyTensor):
-            a = _stored_form(a)
-        dt = names.get(a.dtype)
+            # (each array takes its stored form only when written: the transposed views of a
+            # model's matrices, copied all at once, were a second copy of the model)
+            a = np.asarray(a)
+        dtype = a.dtype if isinstance(a, LazyTensor) else _little_endian(a.dtype)
+        dt = names.get(dtype)
         if dt is None or name == "__metadata__":
             raise ValueError(f"cannot store {name!r} of dtype {a.dtype} in safetensors")
-        header[name] = {"dtype": dt, "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
+        nbytes = math.prod(a.shape) * dtype.itemsize
+        header[name] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
         arrays.append(a)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
@@ -271,6 +275,5 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, Any],
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for a in arrays:
-            if isinstance(a, LazyTensor):
-                a = a.materialize()
+            a = a.materialize() if isinstance(a, LazyTensor) else _stored_form(a)
             f.write(a.reshape(-1).view(np.uint8))
