@@ -227,9 +227,22 @@ def test_classifier_fraction_is_taken_by_channels_in_any_spelling():
     from pockjax.train.classify import CLASSIFIERS
 
     # a case-sensitive compare refused "--scheme Channels --fraction 0.3"
-    assert not any(ignores_fraction(s, CLASSIFIERS[m].family) for s in ("Channels", "channels")
+    assert not any(ignores_fraction(s, CLASSIFIERS[m].scheme_family()) for s in ("Channels", "channels")
                    for m in CLASSIFIERS)
-    assert ignores_fraction("paper", CLASSIFIERS["mobilenetv2"].family)
+    assert ignores_fraction("paper", CLASSIFIERS["mobilenetv2"].scheme_family())
+
+
+def test_classifier_fraction_is_refused_in_a_fresh_process():
+    # The CLI asked the registry before the model's package had registered its schemes:
+    # in a fresh process "--scheme paper --fraction 0.5" trained, the fraction unread.
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "pockjax.cli", "finetune", "--model", "all-minilm-l6-v2",
+                           "--scheme", "paper", "--fraction", "0.5", "--steps", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--fraction is the 'channels' scheme's; --scheme paper does not take it" in proc.stderr
 
 
 @pytest.mark.parametrize("argv, message", [

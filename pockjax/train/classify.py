@@ -79,7 +79,8 @@ class ClassifierSpec:
         or ``"text"`` (:data:`pockjax.data.text_classification.TEXT_TASKS`).
       default_task: the task ``--task`` defaults to for this model.
       summary: one line for ``--help``.
-      family: the scheme family of its config (:func:`pockjax.schemes.family_of`).
+      family: the scheme family of its config (:func:`pockjax.schemes.family_of`),
+        also the name of its package under ``pockjax.models``.
     """
 
     name: str
@@ -87,6 +88,21 @@ class ClassifierSpec:
     default_task: str
     summary: str
     family: str
+
+    def scheme_family(self) -> str:
+        """:attr:`family`, its named schemes registered (its package imported): what
+        :mod:`pockjax.schemes`' lookups take. Without the import they know only the
+        schemes of every family, and refuse nothing of the others.
+
+        Example:
+          >>> from pockjax.schemes import ignores_fraction
+          >>> ignores_fraction("paper", CLASSIFIERS["all-minilm-l6-v2"].scheme_family())
+          True
+        """
+        import importlib
+
+        importlib.import_module(f"pockjax.models.{self.family}")
+        return self.family
 
 
 #: ``--model`` names of the classifiers, by name.
@@ -373,19 +389,13 @@ def _validate(cfg: ClassifierConfig, spec: ClassifierSpec, task: str) -> None:
     if not (0 < cfg.fraction <= 1):
         raise InputError(f"--fraction must be in (0, 1], got {cfg.fraction}")
     # what is refused by name is refused before the model loads
-    _register_schemes(spec)
-    check_scheme(cfg.scheme, spec.family)
-    if cfg.blocks is not None and ignores_blocks(cfg.scheme, spec.family):  # (it trained as if not given)
+    family = spec.scheme_family()
+    check_scheme(cfg.scheme, family)
+    if cfg.blocks is not None and ignores_blocks(cfg.scheme, family):  # (it trained as if not given)
         raise InputError(f"--blocks: --scheme {cfg.scheme} trains no number of last blocks; leave --blocks out")
-    if cfg.fraction != ClassifierConfig.fraction and ignores_fraction(cfg.scheme, spec.family):
+    if cfg.fraction != ClassifierConfig.fraction and ignores_fraction(cfg.scheme, family):
         raise InputError(f"--fraction is the 'channels' scheme's; --scheme {cfg.scheme} does not take it")
     _optimizer(cfg.optimizer, _lr(cfg))  # an unknown optimizer or a bad learning rate
-
-
-def _register_schemes(spec: ClassifierSpec) -> None:
-    import importlib
-
-    importlib.import_module(f"pockjax.models.{spec.family}")
 
 
 def _variables(model) -> dict[str, np.ndarray]:

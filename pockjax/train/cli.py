@@ -41,7 +41,7 @@ def run_classifier(args: argparse.Namespace) -> int:
     # an option that would have no effect, recorded in run.json as if it had, is refused
     if "image_size" in given and args.model != "mobilenetv2":
         return _error("finetune", ValueError(f"--image-size is for --model mobilenetv2, not {args.model}"))
-    if "fraction" in given and ignores_fraction(args.scheme, CLASSIFIERS[args.model].family):
+    if "fraction" in given and ignores_fraction(args.scheme, CLASSIFIERS[args.model].scheme_family()):
         return _error("finetune", ValueError(f"--fraction is the 'channels' scheme's; --scheme {args.scheme}"
                                              " does not take it"))
     if args.fail_below and "eval_examples" in given and args.eval_examples == 0:  # (the gate passed, unread)
