@@ -77,7 +77,7 @@ def abstract_model(config: LlamaConfig) -> tuple[Any, dict]:
     """``(graphdef, params)`` of a :class:`Llama` of ``config``, params as ``ShapeDtypeStruct`` s.
 
     Nothing is allocated; cached per config (generation asks for the same
-    group configs at every call).
+    config at every call).
 
     Example:
         >>> graphdef, params = abstract_model(LlamaConfig.tiny())

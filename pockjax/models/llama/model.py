@@ -56,7 +56,6 @@ __all__ = [
     "apply",
     "causal_mask",
     "causal_query_blocks",
-    "decode_groups",
     "decode_tables",
     "flatten_params",
     "init_cache",
@@ -624,9 +623,13 @@ class Llama(nnx.Module):
           >>> bool(jnp.allclose(logits, model(toks), atol=1e-5))
           True
         """
-        logits, (cache,) = decode_groups([self], tokens, positions, [cache], cache_index, key_valid,
-                                         last_only=last_only)
-        return logits, cache
+        sliding = self.config.is_sliding(*range(self.config.n_layers))
+        (cos, sin, mask), local = decode_tables(self.config, positions, cache_index, key_valid, sliding)
+        x, (k, v) = self._layers(self.embed_tokens(tokens), cos, sin, mask, (cache.k, cache.v), cache_index,
+                                 local=local)
+        if last_only:
+            x = x[:, -1:]
+        return self.logits_from_hidden(x), KVCache(k, v)
 
 
 def decode_tables(config: LlamaConfig, positions: jax.Array, cache_index: jax.Array | int,
@@ -654,45 +657,12 @@ def decode_tables(config: LlamaConfig, positions: jax.Array, cache_index: jax.Ar
     return tables, local
 
 
-def decode_groups(models: list, tokens: jax.Array, positions: jax.Array, caches: list,
-                  cache_index: jax.Array | int, key_valid: jax.Array, *, last_only: bool = False
-                  ) -> tuple[jax.Array, list]:
-    """:meth:`Llama.decode` over consecutive groups of layers, one :class:`Llama` per group.
-
-    ``models[k]`` holds group ``k``'s blocks (scanned or unrolled) and
-    ``caches[k]`` its :class:`KVCache`; the embedding, final norm and output
-    projection are ``models[0]``'s: a model whose layers differ in form
-    (frozen ones quantized, trained ones in float32) decodes as one group per
-    run of alike layers, each one ``lax.scan``.
-
-    Example:
-      >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
-      >>> toks, valid = jnp.array([[5, 6, 7]]), jnp.arange(8)[None] < 3
-      >>> cache = init_cache(model.config, 1, 8)
-      >>> one, _ = model.decode(toks, jnp.arange(3)[None], cache, 0, valid)
-      >>> both, _ = decode_groups([model], toks, jnp.arange(3)[None], [cache], 0, valid)
-      >>> bool(jnp.allclose(one, both))
-      True
-    """
-    head = models[0]
-    sliding = any(m.config.is_sliding(*range(m.config.n_layers)) for m in models)
-    (cos, sin, attn_mask), local = decode_tables(head.config, positions, cache_index, key_valid, sliding)
-    x = head.embed_tokens(tokens)
-    new = []
-    for model, cache in zip(models, caches):
-        x, (k, v) = model._layers(x, cos, sin, attn_mask, (cache.k, cache.v), cache_index, local=local)
-        new.append(KVCache(k, v))
-    if last_only:
-        x = x[:, -1:]
-    return head.logits_from_hidden(x), new
-
-
 def stack_layers(model: Llama) -> Llama:
     """The same model with its blocks stacked (``config.scan_layers=True``).
 
     Works inside ``jax.jit`` (the stacking is then part of the program). A
     scanned model compiles one block instead of ``n_layers``, which makes
-    compilation much faster; generation uses it for that reason.
+    compilation much faster (its stacked weights are a copy of the blocks').
 
     Example:
       >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
