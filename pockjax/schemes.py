@@ -201,7 +201,21 @@ def register_scheme(name: str, family: str, summary: str, *, options: tuple[str,
 
 
 def schemes(family: str = "llama") -> dict[str, NamedScheme]:
-    """The schemes registered for ``family`` (and every family), by name, in registration order."""
+    """The schemes registered for ``family`` (and every family), by name, in registration order.
+
+    A family is known once its package registered it (:func:`register_family`);
+    an unknown one is refused, not answered with the schemes of every family
+    alone (a lookup then found no ``paper`` and refused nothing).
+
+    Example:
+      >>> schemes("no-such-family")
+      Traceback (most recent call last):
+      ...
+      pockjax.errors.SchemeError: no model family 'no-such-family' is registered (known: llama...): import its package (pockjax.models.<family>) first
+    """
+    if family not in _FAMILIES:
+        raise SchemeError(f"no model family {family!r} is registered (known: {', '.join(_FAMILIES)}): import its"
+                          f" package (pockjax.models.<family>) first")
     return {s.name: s for (fam, _), s in _SCHEMES.items() if fam in (family, ANY)}
 
 
